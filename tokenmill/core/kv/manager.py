@@ -1,0 +1,204 @@
+"""The scheduler's only interface to the KV cache: block allocation, prefix matching, sharing.
+
+Ownership rule: a request holds one pool reference on every block of its block table (shared
+prefix blocks included); the radix tree holds one more on every block it caches. Freeing a request
+drops its references; blocks then stay cached in the tree until evicted. A request also locks the
+deepest tree node it uses so that eviction skips paths in use (evicting them would free nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.core.kv.pool import BlockPool
+from tokenmill.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class KVAllocation:
+    """A request's KV blocks: its block table and how much of it the radix tree already holds."""
+
+    block_ids: list[int] = field(default_factory=list)
+    locked_node: Any = None
+    num_cached_blocks: int = 0
+
+
+class KVCacheManager:
+    """Hands out KV blocks to requests, with an optional radix-tree prefix cache.
+
+    Contract: ``allocate_slots`` either reserves every block a step needs or reserves nothing and
+    returns False (the scheduler then preempts); ``free`` returns a request's references exactly
+    once; ``cache_computed_blocks`` publishes a request's full, computed blocks to the prefix cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.radix: Any = None
+        if enable_prefix_caching:
+            from tokenmill.core.kv.radix import RadixCache
+
+            self.radix = RadixCache(self.pool, block_size)
+        self._allocations: dict[str, KVAllocation] = {}
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (blocks only cached in the tree count as free)."""
+        evictable = self.radix.evictable_blocks if self.radix is not None else 0
+        return (self.pool.num_used - evictable) / self.pool.num_blocks
+
+    def num_available_blocks(self) -> int:
+        evictable = self.radix.evictable_blocks if self.radix is not None else 0
+        return self.pool.num_free + evictable
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._allocations[request_id].block_ids
+
+    def has_allocation(self, request_id: str) -> bool:
+        return request_id in self._allocations
+
+    @staticmethod
+    def namespace(request: Request) -> tuple[str | None, ...]:
+        return (request.cache_salt,)
+
+    def match_prefix(self, request: Request) -> int:
+        """Take the longest cached prefix of ``request``'s tokens; returns its length in tokens.
+
+        At least one token is always left to compute so the step has logits to sample from, and
+        requests asking for prompt logprobs match nothing (cached positions have no logits).
+        Must be called only for a request with no allocation yet.
+        """
+        assert request.request_id not in self._allocations
+        allocation = KVAllocation()
+        self._allocations[request.request_id] = allocation
+        if self.radix is None or request.wants_prompt_logprobs:
+            return 0
+        self.prefix_queried_tokens += request.num_tokens
+        limit = (request.num_tokens - 1) // self.block_size * self.block_size
+        match = self.radix.match_prefix(self.namespace(request), request.all_token_ids[:limit])
+        if not match.block_ids:
+            return 0
+        self.pool.incref(match.block_ids)
+        self.radix.lock(match.node)
+        allocation.block_ids = list(match.block_ids)
+        allocation.locked_node = match.node
+        allocation.num_cached_blocks = len(match.block_ids)
+        num_tokens = len(match.block_ids) * self.block_size
+        self.prefix_hit_tokens += num_tokens
+        return num_tokens
+
+    def share_prefix(self, source_id: str, request: Request, num_tokens: int) -> int:
+        """Give a fresh ``request`` the first full blocks of ``source_id``'s table (n > 1 siblings).
+
+        Shares ``num_tokens // block_size`` blocks, bumping their reference counts; returns the
+        number of tokens shared. The caller guarantees those tokens are identical and computed.
+        """
+        allocation = self._allocations.setdefault(request.request_id, KVAllocation())
+        assert not allocation.block_ids, "share_prefix needs an empty allocation"
+        source = self._allocations[source_id]
+        num_shared = min(num_tokens // self.block_size, len(source.block_ids))
+        shared = source.block_ids[:num_shared]
+        self.pool.incref(shared)
+        allocation.block_ids = list(shared)
+        return num_shared * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Reserve blocks so ``request`` can hold ``num_computed_tokens + num_new_tokens`` tokens.
+
+        Evicts unlocked cached blocks when the free list is short. All or nothing.
+        """
+        allocation = self._allocations.setdefault(request.request_id, KVAllocation())
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(allocation.block_ids)
+        if needed <= 0:
+            return True
+        if self.pool.num_free < needed and self.radix is not None:
+            self.radix.evict(needed - self.pool.num_free)
+        if self.pool.num_free < needed:
+            return False
+        allocation.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Insert ``request``'s newly completed full blocks into the prefix cache.
+
+        Called after each step, so concurrent requests with a common prefix share it as soon as it
+        is computed. If the tree already held an identical block (computed concurrently by another
+        request), the request switches to the tree's copy and drops its own.
+        """
+        if self.radix is None or request.wants_prompt_logprobs:
+            return
+        allocation = self._allocations[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(allocation.block_ids))
+        if num_full <= allocation.num_cached_blocks:
+            return
+        tokens = request.all_token_ids[: num_full * self.block_size]
+        result = self.radix.insert(self.namespace(request), tokens, allocation.block_ids[:num_full])
+        for i, tree_block in enumerate(result.block_ids):
+            own = allocation.block_ids[i]
+            if tree_block != own:
+                self.pool.incref([tree_block])
+                self.pool.free([own])
+                allocation.block_ids[i] = tree_block
+        self.radix.lock(result.node)
+        if allocation.locked_node is not None:
+            self.radix.unlock(allocation.locked_node)
+        allocation.locked_node = result.node
+        allocation.num_cached_blocks = num_full
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references and lock; its cached blocks stay in the tree."""
+        allocation = self._allocations.pop(request_id, None)
+        if allocation is None:
+            return
+        if allocation.locked_node is not None:
+            self.radix.unlock(allocation.locked_node)
+        self.pool.free(allocation.block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block not in use; False if requests still hold tree nodes."""
+        if self.radix is None:
+            return True
+        if any(a.locked_node is not None for a in self._allocations.values()):
+            return False
+        self.radix.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        """Assert pool and tree invariants and that request references account for every count."""
+        if self.radix is not None:
+            self.radix.check_integrity()
+        else:
+            self.pool.check_integrity()
+        expected = [0] * self.pool.num_blocks
+        for allocation in self._allocations.values():
+            for b in allocation.block_ids:
+                expected[b] += 1
+        if self.radix is not None:
+            for b in self.radix.cached_block_ids():
+                expected[b] += 1
+        for b, count in enumerate(expected):
+            if self.pool.ref_count(b) != count:
+                raise AssertionError(f"block {b}: ref count {self.pool.ref_count(b)}, holders {count}")
+
+    def all_free_or_cached(self) -> bool:
+        """True when no request holds blocks: every block is free or held only by the tree."""
+        return not self._allocations and self.pool.num_used == (
+            self.radix.cached_blocks if self.radix is not None else 0
+        )

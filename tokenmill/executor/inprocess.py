@@ -1,0 +1,22 @@
+"""The executor for one device in the engine core's own process."""
+
+from __future__ import annotations
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from tokenmill.loader import ModelSource
+from tokenmill.worker.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    """Runs scheduled steps on a ModelRunner in this process (tensor parallel size 1)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.runner = ModelRunner(config, source)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(plan)

@@ -1,0 +1,54 @@
+"""Reference paged attention in plain torch: write new K/V to their slots, gather, attend.
+
+Runs on any device. Each group's keys and values are gathered from the paged cache into a padded
+``[S, K, kv_heads, head_dim]`` layout and attended with ``scaled_dot_product_attention`` under the
+group's mask, so there is no Python loop over requests. Faster backends are tested against this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.worker.forward_batch import AttentionMetadata
+
+
+class TorchPagedAttention:
+    """Attention over a paged KV cache.
+
+    Contract: ``forward`` first stores this step's ``key``/``value`` at ``metadata.slot_mapping``,
+    then every query attends to its own sequence's cached tokens up to its own position.
+    """
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        key_cache.index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
+        value_cache.index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        for group in metadata.groups:
+            q = query[group.query_rows].transpose(1, 2)  # [S, num_heads, Q, head_dim]
+            k = key_cache[group.kv_slots].transpose(1, 2)  # [S, kv_heads, K, head_dim]
+            v = value_cache[group.kv_slots].transpose(1, 2)  # [S, kv_heads, K, head_dim]
+            attended = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=self.scale, enable_gqa=True
+            )  # [S, num_heads, Q, head_dim]
+            attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # [S*Q, H, D]
+            out[group.valid_rows] = attended[group.valid_index]
+        return out

@@ -1,0 +1,123 @@
+"""Linear layers that know how to load (and shard) their weights.
+
+Tensor parallelism splits a column-parallel layer's output features and a row-parallel layer's
+input features across ranks; each layer's ``load_weight`` takes the full checkpoint tensor and keeps
+its rank's slice. With ``tp_size == 1`` (the default) they are plain linear layers. Merged layers
+(QKV, gate-up) hold several checkpoint tensors side by side so one matmul computes them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if tp_size == 1:
+        return tensor
+    size = tensor.shape[dim]
+    if size % tp_size:
+        raise ValueError(f"dimension {dim} of size {size} does not split across {tp_size} ranks")
+    part = size // tp_size
+    return tensor.narrow(dim, tp_rank * part, part)
+
+
+class LinearBase(nn.Module):
+    """A weight ``[out_features, in_features]`` and optional bias; ``forward`` is ``x @ W.T + b``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across tensor-parallel ranks (no communication in forward)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(in_features, out_features // tp_size, bias, dtype)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.weight if name == "weight" else self.bias
+        assert target is not None, f"unexpected {name}"
+        target.data.copy_(_shard(tensor, 0, self.tp_rank, self.tp_size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial outputs are summed with an all-reduce."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(in_features // tp_size, out_features, bias, dtype)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "weight":
+            self.weight.data.copy_(_shard(tensor, 1, self.tp_rank, self.tp_size))
+        else:
+            assert self.bias is not None, f"unexpected {name}"
+            self.bias.data.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        torch.distributed.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+class MergedColumnLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight.
+
+    ``shard_sizes`` maps each checkpoint shard name (``q``, ``k``, ``v`` or ``gate``, ``up``) to its
+    full output width; ``load_shard`` places a checkpoint tensor in its rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, tp_rank, tp_size)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard_name, size in shard_sizes.items():
+            local = size // tp_size
+            self.shard_offsets[shard_name] = (offset, local)
+            offset += local
+
+    def load_shard(self, shard_name: str, param_name: str, tensor: torch.Tensor) -> None:
+        offset, size = self.shard_offsets[shard_name]
+        target = self.weight if param_name == "weight" else self.bias
+        assert target is not None, f"unexpected {param_name}"
+        target.data.narrow(0, offset, size).copy_(_shard(tensor, 0, self.tp_rank, self.tp_size))
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """Cut this layer's output back into its shards, in construction order."""
+        return list(out.split([size for _, size in self.shard_offsets.values()], dim=-1))

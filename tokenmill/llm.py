@@ -1,0 +1,161 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, shaped like vLLM's.
+
+Runs the engine core in this process (no ZMQ) and the same input/output processing the server uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.core.engine_core import EngineCore
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.processor import InputProcessor
+from tokenmill.loader import resolve_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | dict[str, Any]
+ChatMessages = list[dict[str, Any]]
+
+
+def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """Sort keyword arguments into the engine's config sections; unknown names raise ValueError."""
+    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    values: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    engine_kwargs: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        for section, cls in sections.items():
+            if key in cls.__dataclass_fields__:
+                values[section][key] = value
+                break
+        else:
+            if key in EngineConfig.__dataclass_fields__ and key not in sections:
+                engine_kwargs[key] = value
+            else:
+                raise ValueError(f"unknown engine argument {key!r}")
+    return EngineConfig(
+        model=ModelConfig(model=model, **values["model"]),
+        cache=CacheConfig(**values["cache"]),
+        scheduler=SchedulerConfig(**values["scheduler"]),
+        **engine_kwargs,
+    )
+
+
+class LLM:
+    """Generate completions for batches of prompts on one model.
+
+    ``LLM("smollm2-135m", dtype="float32")``; any field of ModelConfig, CacheConfig or
+    SchedulerConfig is accepted as a keyword (``max_model_len``, ``num_blocks``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``...). Results come back in input order.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        config = build_engine_config(model, **kwargs)
+        source = resolve_model(model)
+        self.engine = EngineCore(config, source)
+        self.tokenizer = source.load_tokenizer()
+        self.input_processor = InputProcessor(self.tokenizer, source.hf_config, self.engine.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt. A prompt is a string, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one for all or one per prompt."""
+        prompt_list: list[PromptInput] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        encoded = [self._encode(p) for p in prompt_list]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them and complete each."""
+        conversations: list[ChatMessages]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        encoded = []
+        for conversation in conversations:
+            text = self.input_processor.render_chat(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+            )
+            encoded.append((text, self.input_processor.tokenize(text, add_special_tokens=False)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------------------ internals
+
+    def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.input_processor.tokenize(prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return prompt["prompt"], self.input_processor.tokenize(prompt["prompt"])
+        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(encoded)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(encoded)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(encoded):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(encoded)} prompts; give one or one per prompt"
+                )
+        for (_, token_ids), params in zip(encoded, params_list):
+            self.input_processor.check_prompt(token_ids, params)
+
+        order: list[str] = []
+        for (text, token_ids), params in zip(encoded, params_list):
+            request_id = str(next(self._ids))
+            core_requests = self.input_processor.make_requests(request_id, token_ids, params)
+            self.output_processor.add_request(request_id, text, token_ids, params)
+            for core_request in core_requests:
+                self.engine.add_request(core_request)
+            order.append(request_id)
+
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                step = self.engine.step()
+                changed, to_abort = self.output_processor.process(step.outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for state in changed:
+                    if state.finished:
+                        results[state.request_id] = state.to_output()
+                        bar.update(1)
+        return [results[request_id] for request_id in order]

@@ -1,0 +1,226 @@
+"""GGUF files: config and tokenizer through transformers, weights dequantized by the ``gguf`` package.
+
+Weights come out under Hugging Face parameter names and in Hugging Face layout, so a model built for a
+safetensors checkpoint loads a GGUF file unchanged. Two things llama.cpp's converter did to the
+tensors are undone here:
+
+- For the ``llama`` architecture (which also covers Mistral GGUFs) it reordered the rows of each
+  attention head of Q and K so that the two halves rotated together by rotary embedding sit next to
+  each other (ggml rotates adjacent pairs; Hugging Face rotates dimension ``i`` with ``i + d/2``).
+- For Gemma it stored RMSNorm weights as ``1 + w`` (ggml multiplies by the weight; Gemma's norm
+  multiplies by ``1 + w``).
+
+Qwen2/Qwen3 files are stored in Hugging Face order and need neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+# GGUF tensor names outside the transformer blocks.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# GGUF names inside block N (``blk.N.<name>``) → the Hugging Face module under ``model.layers.N``.
+_LLAMA_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Gemma3 has four norms per block; llama.cpp's "ffn_norm" is the one before the MLP there.
+_GEMMA3_BLOCK_NAMES = {
+    **_LLAMA_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+# Tensors with no Hugging Face parameter: llama3's rope frequency factors are recomputed from the
+# config's rope scaling.
+_SKIPPED = {"rope_freqs.weight"}
+
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class _ArchRules:
+    """How one GGUF architecture's tensors map back to Hugging Face."""
+
+    block_names: dict[str, str]
+    undo_rope_permute: bool = False  # llama.cpp reordered Q/K rows (see module docstring)
+    norm_shift: float = 0.0  # llama.cpp stored norm weights as w + norm_shift
+
+
+_ARCHITECTURES: dict[str, _ArchRules] = {
+    "llama": _ArchRules(_LLAMA_BLOCK_NAMES, undo_rope_permute=True),
+    "qwen2": _ArchRules(_LLAMA_BLOCK_NAMES),
+    "qwen3": _ArchRules(_LLAMA_BLOCK_NAMES),
+    "gemma3": _ArchRules(_GEMMA3_BLOCK_NAMES, norm_shift=1.0),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _open_reader(path: str, mtime_ns: int) -> GGUFReader:
+    # Parsing the header (tokenizer arrays included) takes seconds, and resolving, counting and
+    # loading all need it; mtime_ns is part of the key so a replaced file is read afresh.
+    return GGUFReader(path, "r")
+
+
+def open_reader(path: str) -> GGUFReader:
+    """A memory-mapped reader of ``path``; the most recent one is cached."""
+    path = os.path.abspath(path)
+    return _open_reader(path, os.stat(path).st_mtime_ns)
+
+
+def _field(reader: GGUFReader, key: str) -> object | None:
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def architecture(path: str) -> str:
+    """The file's ``general.architecture`` (llama.cpp's name, e.g. ``"llama"``, ``"qwen3"``)."""
+    arch = _field(open_reader(path), "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path!r} has no general.architecture; is it a GGUF model file?")
+    return arch
+
+
+def _rules(path: str) -> _ArchRules:
+    arch = architecture(path)
+    rules = _ARCHITECTURES.get(arch)
+    if rules is None:
+        raise ValueError(
+            f"GGUF architecture {arch!r} of {path!r} is not supported by the GGUF weight loader "
+            f"(supported: {', '.join(sorted(_ARCHITECTURES))}); use a Hugging Face folder instead"
+        )
+    return rules
+
+
+def check_supported(path: str) -> None:
+    """Raise ``ValueError`` unless this loader can map every weight of the file's architecture."""
+    _rules(path)
+
+
+def load_config(path: str) -> transformers.PretrainedConfig:
+    """Build the Hugging Face config from the file's metadata (transformers' GGUF config reader).
+
+    Where the file states the attention head size (``<arch>.attention.key_length``), it wins over the
+    config class default: transformers does not read it for every architecture (e.g. qwen3).
+    """
+    folder, filename = os.path.split(os.path.abspath(path))
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+    key_length = _field(open_reader(path), f"{architecture(path)}.attention.key_length")
+    if isinstance(key_length, int) and getattr(config, "head_dim", key_length) != key_length:
+        config.head_dim = key_length
+    return config
+
+
+def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer stored in the file; its ``chat_template`` comes from ``tokenizer.chat_template``."""
+    folder, filename = os.path.split(os.path.abspath(path))
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+
+
+def hf_name(gguf_name: str, rules: _ArchRules) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None for tensors with no parameter.
+
+    Raises ``ValueError`` for a name we do not know, rather than dropping a weight silently.
+    """
+    if gguf_name in _SKIPPED:
+        return None
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    m = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if m is not None and m.group(2) in rules.block_names:
+        return f"model.layers.{m.group(1)}.{rules.block_names[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+
+
+def _to_torch(tensor: ReaderTensor) -> torch.Tensor:
+    """Dequantize one tensor into a new (writable, file-independent) torch tensor in PyTorch shape.
+
+    F32/F16/BF16 keep their dtype; every quantized type becomes float32.
+    """
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    qtype = tensor.tensor_type
+    if qtype == GGMLQuantizationType.F32:
+        out = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
+    elif qtype == GGMLQuantizationType.F16:
+        out = torch.from_numpy(np.array(tensor.data, dtype=np.float16))
+    elif qtype == GGMLQuantizationType.BF16:
+        # numpy has no bfloat16: reinterpret the raw 16-bit words.
+        raw = np.array(tensor.data, dtype=np.uint8).view(np.int16)
+        out = torch.from_numpy(raw).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(dequantize(tensor.data, qtype))
+    return out.reshape(shape)
+
+
+def _undo_rope_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Put each head's Q/K rows back into Hugging Face order.
+
+    llama.cpp stored head-local row ``2*j + h`` from HF row ``h*d/2 + j`` (h in {0, 1}, j < d/2), i.e.
+    it interleaved the two rotary halves. Works for weights ``[rows, in]`` and biases ``[rows]``.
+    """
+    rows = w.shape[0]
+    if rows % (2 * num_heads) != 0:
+        raise ValueError(f"cannot split {rows} Q/K rows into {num_heads} heads of even size")
+    half = rows // num_heads // 2
+    # [heads, half, 2, ...] (GGUF order) → [heads, 2, half, ...] (HF order)
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _fix_layout(
+    name: str, w: torch.Tensor, rules: _ArchRules, config: transformers.PretrainedConfig
+) -> torch.Tensor:
+    if rules.undo_rope_permute and (".attn_q." in name or ".attn_k." in name):
+        num_heads = int(config.num_attention_heads)
+        if ".attn_k." in name:
+            num_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        w = _undo_rope_permute(w, num_heads)
+    if rules.norm_shift and name.endswith("norm.weight"):
+        w = w - rules.norm_shift
+    return w
+
+
+def iter_weights(path: str, config: transformers.PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every parameter in the file, dequantizing one tensor at a time.
+
+    ``config`` must be the one ``load_config`` built (its head counts undo the Q/K permutation).
+    Tensors are float32, or float16/bfloat16 when stored so; the model casts them to its dtype. A tied
+    ``lm_head.weight`` is absent, as in the file.
+    """
+    rules = _rules(path)
+    for tensor in open_reader(path).tensors:
+        name = hf_name(tensor.name, rules)
+        if name is None:
+            continue
+        yield name, _fix_layout(tensor.name, _to_torch(tensor), rules, config)
+
+
+def num_weight_tensors(path: str) -> int:
+    """How many tensors ``iter_weights`` yields."""
+    return sum(1 for t in open_reader(path).tensors if t.name not in _SKIPPED)

@@ -1,0 +1,223 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (per-head q/k RMSNorm), SmolLM2.
+
+One decoder definition; the differences between these architectures are configuration
+(biases, head_dim, q/k norms, rope scaling, tied embeddings), read once in ``LlamaArgs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import get_rope
+from tokenmill.worker.forward_batch import ForwardBatch
+
+
+@dataclass
+class LlamaArgs:
+    """The hyper-parameters this file reads from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    hidden_act: str
+
+    @classmethod
+    def from_hf(cls, config) -> LlamaArgs:  # type: ignore[no-untyped-def]
+        model_type = config.model_type
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or attention_bias
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias and model_type == "llama",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            hidden_act=getattr(config, "hidden_act", "silu"),
+        )
+
+
+def _activation(name: str):  # type: ignore[no-untyped-def]
+    if name == "silu":
+        return F.silu
+    if name in ("gelu", "gelu_pytorch_tanh"):
+        return (lambda x: F.gelu(x, approximate="tanh")) if name.endswith("tanh") else F.gelu
+    raise ValueError(f"unsupported hidden_act {name!r}")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = MergedColumnLinear(
+            args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.qkv_bias, dtype=dtype
+        )
+        self.o_proj = RowParallelLinear(q_size, args.hidden_size, bias=args.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.rotary = rotary  # shared by every layer
+        self.attn = TorchPagedAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, layer_index: int) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k, batch.seq_lens)
+        out = self.attn.forward(q, k, v, batch.kv_caches[layer_index], batch.attn)
+        return self.o_proj(out.reshape(num_tokens, -1))  # [num_tokens, hidden_size]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = args.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(
+            args.hidden_size, {"gate": size, "up": size}, bias=args.mlp_bias, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
+        self.act = _activation(args.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [num_tokens, intermediate] each
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = LlamaAttention(args, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = LlamaMLP(args, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, layer_index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch, layer_index)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    ``forward`` returns hidden states for every token of the batch; ``compute_logits`` projects
+    only the rows the caller needs (the last token of each sampling sequence), which is where most
+    of a small model's time would otherwise go.
+    """
+
+    def __init__(self, config, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        args = LlamaArgs.from_hf(config)
+        self.args = args
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype)
+        self.rotary = get_rope(config, args.head_dim)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(args, self.rotary, dtype) for _ in range(args.num_layers)])
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        tied = self.embed_tokens if args.tie_word_embeddings else None
+        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.args.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.args.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_layers
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, batch, index)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [num_tokens, hidden_size]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [num_rows, vocab_size] float32
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into this model; returns the names used.
+
+        Separate q/k/v and gate/up checkpoint tensors go into the merged projections. Unknown names
+        raise ValueError, so a checkpoint that does not match the architecture never loads silently.
+        """
+        merged = {
+            "q_proj": ("qkv_proj", "q"),
+            "k_proj": ("qkv_proj", "k"),
+            "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", "gate"),
+            "up_proj": ("gate_up_proj", "up"),
+        }
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            key = name.removeprefix("model.")
+            module_path, _, param = key.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in merged:
+                target, shard = merged[leaf]
+                module = modules.get(f"{parent}.{target}")
+                if not isinstance(module, MergedColumnLinear):
+                    raise ValueError(f"checkpoint tensor {name} has no place in this model")
+                module.load_shard(shard, param, tensor)
+            else:
+                module = modules.get(module_path)
+                if module is None:
+                    raise ValueError(f"checkpoint tensor {name} has no place in this model")
+                if hasattr(module, "load_weight"):
+                    module.load_weight(param, tensor)
+                else:
+                    target = getattr(module, param, None)
+                    if not isinstance(target, torch.Tensor) or target.shape != tensor.shape:
+                        raise ValueError(f"checkpoint tensor {name} does not fit this model")
+                    target.data.copy_(tensor)
+            loaded.add(name)
+        return loaded

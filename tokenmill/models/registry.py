@@ -1,0 +1,28 @@
+"""Maps Hugging Face architecture names to native model classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenmill.models.llama import LlamaForCausalLM
+
+NATIVE_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-def]
+    """The native class for ``config.architectures``; ValueError names the architecture if none."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2", "qwen3"):
+        return LlamaForCausalLM  # GGUF-derived configs carry a model_type but no architectures
+    for arch in architectures:
+        if arch in NATIVE_MODELS:
+            return NATIVE_MODELS[arch]
+    raise ValueError(
+        f"no native implementation for architecture(s) {architectures or [config.model_type]}; "
+        f"supported: {sorted(NATIVE_MODELS)}"
+    )

@@ -1,0 +1,162 @@
+"""The sampler: turns one step's logits into one token per row, plus logprobs when asked.
+
+Pipeline, per step:
+
+1. raw logprobs (log-softmax of the unprocessed logits) if any row wants logprobs;
+2. logit bias, min-tokens block, penalties — these shape greedy and random rows alike;
+3. greedy rows take the argmax of those processed logits;
+4. random rows go on through temperature, min-p, top-k/top-p and are drawn with the exponential race:
+   ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token picks token ``i`` with probability
+   ``probs[i]``, and lets each seeded row draw its own ``E`` from its own generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.sample.logits_processors import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens_block,
+    apply_penalties,
+    apply_temperature,
+    apply_top_k_top_p,
+    pad_token_ids,
+)
+from tokenmill.sample.metadata import SamplerOutput, SamplingMetadata
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick out a chosen token's logprob, its rank and the top-``num_top`` alternatives of each row.
+
+    ``logprobs`` is ``[num_rows, vocab]`` log-probabilities, ``token_ids`` ``[num_rows]`` the chosen
+    tokens. Returns ``(ids, values, ranks)``: ``ids[:, 0]`` is the chosen token and ``ids[:, 1:]`` the
+    ``num_top`` most likely tokens in descending order, ``values`` their logprobs (same shape, float32),
+    and ``ranks[row]`` is 1 plus the number of tokens with a strictly larger logprob than the chosen one.
+    """
+    token_ids = token_ids.to(torch.int64)
+    chosen = logprobs.gather(1, token_ids[:, None])  # [num_rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [num_rows]
+    if num_top > 0:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
+        ids = torch.cat([token_ids[:, None], top_ids], dim=1)  # [num_rows, 1 + num_top]
+        values = torch.cat([chosen, top_values], dim=1)  # [num_rows, 1 + num_top]
+    else:
+        ids = token_ids[:, None]  # [num_rows, 1]
+        values = chosen
+    return ids, values.float(), ranks.to(torch.int64)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of each prompt position's next token, for ``prompt_logprobs``.
+
+    ``logits[t]`` is the model's output at prompt position ``t`` (``[num_tokens, vocab]``) and
+    ``target_ids[t]`` the prompt token that actually follows it. Returns what :func:`gather_logprobs`
+    returns, under the raw (unprocessed) distribution, as completion logprobs are. The caller chunks
+    long prompts: this materializes a float32 ``[num_tokens, vocab]`` tensor.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_tokens, vocab]
+    return gather_logprobs(logprobs, target_ids, num_top)
+
+
+def exponential_noise(
+    num_rows: int, vocab: int, generators: dict[int, torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """I.i.d. Exp(1) noise of shape ``[num_rows, vocab]`` for the exponential race.
+
+    Rows listed in ``generators`` are filled from their own generator alone, ``vocab`` draws each, so
+    a seeded row's noise depends only on its generator's state — not on its row index or on the other
+    rows. All other rows share one batched draw from the default generator.
+    """
+    noise = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)  # [num_rows, vocab]
+    if len(generators) < num_rows:
+        # Seeded rows are overwritten below; one draw over the whole tensor is a single kernel.
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # An exact zero would turn 0 / 0 into NaN, which argmax prefers; no sample can lie below this floor
+    # with any real probability.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per row from ``[num_rows, vocab]`` logits under per-row sampling settings.
+
+    Contract: ``forward`` may overwrite ``logits`` in place (callers that need them later pass a copy);
+    rows are independent; greedy rows (temperature 0) are deterministic, and a row with a generator in
+    ``metadata.generators`` gets the same token for the same logits and generator state whatever else
+    is in the batch. Reported logprobs come from the unprocessed logits.
+    """
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()  # [num_rows, vocab]
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+
+        logits = self._apply_shared_processors(logits, metadata)
+        sampled = self._sample(logits, metadata)  # [num_rows]
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        assert metadata.max_num_logprobs is not None
+        ids, values, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, ids, values, ranks)
+
+    @staticmethod
+    def _apply_shared_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Processors that change which token is best, so they apply before greedy's argmax too."""
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.min_tokens_block:
+            logits = apply_min_tokens_block(logits, metadata.min_tokens_block)
+        if not metadata.no_penalties:
+            logits = _apply_penalties_from_metadata(logits, metadata)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)  # [num_rows]
+        # Greedy first: the random path below edits ``logits`` in place.
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [num_rows]
+        sampled = self._sample_random(logits, metadata)  # [num_rows]
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.temperature == 0.0, greedy, sampled)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        temperature = metadata.temperature  # [num_rows]
+        if not metadata.all_random:
+            # Greedy rows' draws are discarded; 1.0 just keeps them finite.
+            temperature = torch.where(temperature == 0.0, 1.0, temperature)
+        logits = apply_temperature(logits, temperature)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+
+        num_rows, vocab = logits.shape
+        probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+        noise = exponential_noise(num_rows, vocab, metadata.generators, logits.device)  # [num_rows, vocab]
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _apply_penalties_from_metadata(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    num_rows, vocab = logits.shape
+    empty: list[list[int]] = [[] for _ in range(num_rows)]
+    output_ids = pad_token_ids(metadata.output_token_ids or empty, vocab, logits.device)  # [num_rows, len]
+    prompt_ids = None
+    if metadata.repetition_penalty is not None and metadata.prompt_token_ids is not None:
+        prompt_ids = pad_token_ids(metadata.prompt_token_ids, vocab, logits.device)  # [num_rows, len]
+    return apply_penalties(
+        logits,
+        prompt_ids,
+        output_ids,
+        metadata.presence_penalty,
+        metadata.frequency_penalty,
+        metadata.repetition_penalty,
+    )

@@ -1,0 +1,65 @@
+"""Sizing and allocating the paged KV cache tensors."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation could use now: free GPU memory, or MemAvailable on a CPU host."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element  # K and V
+
+
+def num_blocks_for_budget(
+    budget: int | float,
+    device: torch.device,
+    *,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """How many blocks fit in ``budget``: bytes when an int, a fraction of free memory when a float."""
+    if isinstance(budget, float):
+        budget_bytes = int(available_memory_bytes(device) * budget)
+    else:
+        budget_bytes = budget
+    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    num_blocks = budget_bytes // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory of {budget_bytes} bytes holds no block; one block needs {per_block} bytes"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(
+    num_blocks: int,
+    *,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer, zero-filled."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,0 +1,235 @@
+"""Runs the model for one scheduled step: builds the ForwardBatch, runs the forward, samples.
+
+The runner owns the device state: model weights, the paged KV cache tensors and per-request seeded
+generators. It sees only block tables and slot mappings, never the allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.loader import ModelSource
+from tokenmill.loader.progress import iter_with_progress
+from tokenmill.models.registry import resolve_model_class
+from tokenmill.protocol import PositionLogprobs
+from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, make_generator
+from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch
+from tokenmill.worker.kv_cache import allocate_kv_caches, num_blocks_for_budget
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 where the hardware computes it natively, float32 elsewhere."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+class ModelRunner:
+    """Loads the model, owns the KV cache tensors and executes scheduled steps."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.device = torch.device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.model.seed)
+
+        start = time.perf_counter()
+        model_class = resolve_model_class(source.hf_config)
+        with torch.device(self.device):
+            self.model = model_class(source.hf_config, self.dtype)  # type: ignore[call-arg]
+        self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
+        self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
+        self.model.eval()
+        logger.info(
+            "model %s (%s, %s) ready in %.1f s", source.name, model_class.__name__, self.dtype, time.perf_counter() - start
+        )
+
+        self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(
+            config.cache.kv_cache_memory,
+            self.device,
+            num_layers=self.model.num_layers,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            num_kv_heads=self.model.num_kv_heads,  # type: ignore[arg-type]
+            head_dim=self.model.head_dim,  # type: ignore[arg-type]
+            dtype=self.dtype,
+        )
+        self.kv_caches = allocate_kv_caches(
+            self.num_blocks,
+            num_layers=self.model.num_layers,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            num_kv_heads=self.model.num_kv_heads,  # type: ignore[arg-type]
+            head_dim=self.model.head_dim,  # type: ignore[arg-type]
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks, self.block_size, self.num_blocks * self.block_size
+        )
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in plan.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if plan.is_empty:
+            return ModelRunnerOutput()
+        batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
+        hidden = self.model(batch)  # [num_tokens, hidden_size]
+        logits = self.model.compute_logits(hidden[batch.logits_rows])  # type: ignore[operator]
+        output = ModelRunnerOutput()
+        num_sampling = len(sample_entries)
+        if num_sampling:
+            self._sample(logits[:num_sampling], sample_entries, output)
+        offset = num_sampling
+        for request_id, targets, num_top in prompt_rows:
+            rows = logits[offset : offset + len(targets)]
+            offset += len(targets)
+            target_tensor = torch.tensor(targets, dtype=torch.long, device=self.device)
+            ids, logprobs, ranks = compute_prompt_logprobs(rows, target_tensor, num_top)
+            output.prompt_logprobs[request_id] = _to_position_logprobs(ids, logprobs, ranks, num_top)
+        return output
+
+    def _sample(self, logits: torch.Tensor, entries: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        rows = []
+        for entry in entries:
+            generator = None
+            if entry.seed is not None:
+                generator = self._generators.get(entry.request_id)
+                if generator is None:
+                    generator = make_generator(entry.seed, self.device)
+                    self._generators[entry.request_id] = generator
+            rows.append(
+                RowSamplingInput(
+                    params=entry.sampling_params,
+                    generator=generator,
+                    prompt_token_ids=entry.prompt_token_ids,
+                    output_token_ids=entry.output_token_ids,
+                    block_ids_for_min_tokens=entry.forbidden_token_ids,
+                )
+            )
+        metadata = build_sampling_metadata(rows, self.device)
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        for i, entry in enumerate(entries):
+            output.sampled_token_ids[entry.request_id] = sampled[i]
+        if result.logprobs is not None:
+            assert result.logprob_token_ids is not None and result.sampled_rank is not None
+            ids = result.logprob_token_ids.tolist()
+            values = result.logprobs.tolist()
+            ranks = result.sampled_rank.tolist()
+            for i, entry in enumerate(entries):
+                num = entry.sampling_params.logprobs
+                if num is None:
+                    continue
+                output.logprobs[entry.request_id] = PositionLogprobs(
+                    token_ids=ids[i][: num + 1], logprobs=values[i][: num + 1], rank=ranks[i]
+                )
+
+    # ------------------------------------------------------------------ batch construction
+
+    def _build_batch(
+        self, entries: list[ScheduledRequest]
+    ) -> tuple[ForwardBatch, list[ScheduledRequest], list[tuple[str, list[int], int]]]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        for entry in entries:
+            offsets.append(len(token_ids))
+            start, n = entry.start_position, len(entry.token_ids)
+            table = entry.block_table
+            token_ids.extend(entry.token_ids)
+            positions.extend(range(start, start + n))
+            seq_lens.extend([start + n] * n)
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+
+        decode = [i for i, e in enumerate(entries) if len(e.token_ids) == 1]
+        prefill = [i for i, e in enumerate(entries) if len(e.token_ids) > 1]
+        groups = [self._build_group(entries, offsets, idx) for idx in (decode, prefill) if idx]
+
+        sample_entries: list[ScheduledRequest] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[str, list[int], int]] = []
+        prompt_row_ids: list[int] = []
+        for entry, offset in zip(entries, offsets):
+            if entry.sample:
+                sample_entries.append(entry)
+                sample_rows.append(offset + len(entry.token_ids) - 1)
+            if entry.prompt_logprobs_range is not None:
+                lo, hi = entry.prompt_logprobs_range
+                prompt_row_ids.extend(offset + p - entry.start_position for p in range(lo, hi))
+                num_top = entry.sampling_params.prompt_logprobs or 0
+                prompt_rows.append((entry.request_id, entry.prompt_token_ids[lo + 1 : hi + 1], num_top))
+
+        device = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            attn=AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), groups=groups),
+            kv_caches=self.kv_caches,
+            logits_rows=torch.tensor(sample_rows + prompt_row_ids, dtype=torch.long, device=device),
+        )
+        return batch, sample_entries, prompt_rows
+
+    def _build_group(self, entries: list[ScheduledRequest], offsets: list[int], members: list[int]) -> AttentionGroup:
+        """Padded gather indices and the causal mask for one group of sequences."""
+        bs = self.block_size
+        device = self.device
+        num_new = torch.tensor([len(entries[i].token_ids) for i in members], dtype=torch.long)  # [S]
+        starts = torch.tensor([entries[i].start_position for i in members], dtype=torch.long)  # [S]
+        row_offsets = torch.tensor([offsets[i] for i in members], dtype=torch.long)  # [S]
+        num_queries = int(num_new.max())
+        num_keys = int((starts + num_new).max())
+        max_blocks = -(-num_keys // bs)
+        tables = torch.zeros(len(members), max_blocks, dtype=torch.long)  # [S, max_blocks]
+        for row, i in enumerate(members):
+            table = entries[i].block_table[:max_blocks]
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+
+        q_index = torch.arange(num_queries)  # [Q]
+        valid = q_index[None, :] < num_new[:, None]  # [S, Q]
+        query_rows = torch.where(valid, row_offsets[:, None] + q_index[None, :], 0)  # [S, Q]
+        key_index = torch.arange(num_keys)  # [K]
+        kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
+        query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
+        mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
+        valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
+        return AttentionGroup(
+            query_rows=query_rows.to(device),
+            kv_slots=kv_slots.to(device),
+            mask=mask.unsqueeze(1).to(device),
+            valid_rows=query_rows.reshape(-1)[valid_index].to(device),
+            valid_index=valid_index.to(device),
+            num_queries=num_queries,
+        )
+
+
+def _to_position_logprobs(
+    ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor, num_top: int
+) -> list[PositionLogprobs]:
+    id_rows, value_rows, rank_list = ids.tolist(), logprobs.tolist(), ranks.tolist()
+    return [
+        PositionLogprobs(token_ids=id_rows[i][: num_top + 1], logprobs=value_rows[i][: num_top + 1], rank=rank_list[i])
+        for i in range(len(rank_list))
+    ]

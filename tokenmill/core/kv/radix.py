@@ -375,7 +375,7 @@ class RadixCache:
             ends_inside_edge = matched < child.num_blocks
             if ends_inside_edge:
                 child = self._split(child, matched)
-            pass
+            child.last_access = now
             block_ids.extend(child.block_ids)
             pos += matched * bs
             node = child

@@ -29,7 +29,7 @@ ChatMessages = list[dict[str, Any]]
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """Sort keyword arguments into the engine's config sections; unknown names raise ValueError."""
-    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    sections: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
     values: dict[str, dict[str, Any]] = {name: {} for name in sections}
     engine_kwargs: dict[str, Any] = {}
     for key, value in kwargs.items():
@@ -97,7 +97,7 @@ class LLM:
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
-        encoded = []
+        encoded: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
             text = self.input_processor.render_chat(
                 conversation,

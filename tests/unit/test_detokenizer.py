@@ -189,7 +189,9 @@ def test_partial_emoji_is_held_then_released_whole(sp_llama) -> None:
     ids = sp_llama.encode("ça 🎈", add_special_tokens=False)
     tokens = sp_llama.convert_ids_to_tokens(ids)
     assert tokens[-4:] == ["<0xF0>", "<0x9F>", "<0x8E>", "<0x88>"]
-    detok = IncrementalDetokenizer(sp_llama, [], skip_special_tokens=True, spaces_between_special_tokens=False)
+    detok = IncrementalDetokenizer(
+        sp_llama, [], skip_special_tokens=True, spaces_between_special_tokens=False
+    )
     deltas = [detok.push([i]) for i in ids]
     assert deltas[-4:-1] == ["", "", ""]
     assert deltas[-1] == "🎈"
@@ -198,7 +200,9 @@ def test_partial_emoji_is_held_then_released_whole(sp_llama) -> None:
 
 def test_complete_text_before_partial_char_is_not_delayed(sp_llama) -> None:
     ids = sp_llama.encode("ça 🎈", add_special_tokens=False)
-    detok = IncrementalDetokenizer(sp_llama, [], skip_special_tokens=True, spaces_between_special_tokens=False)
+    detok = IncrementalDetokenizer(
+        sp_llama, [], skip_special_tokens=True, spaces_between_special_tokens=False
+    )
     # All but the last byte of the balloon in one push: the text before it comes out at once.
     assert detok.push(ids[:-1]) == "ça "
     assert detok.push(ids[-1:]) == "🎈"
@@ -252,12 +256,18 @@ def test_continue_from_prompt_keeps_leading_space(sp_llama) -> None:
     assert full[: len(prompt)] == prompt
     output = full[len(prompt) :]
     cont = IncrementalDetokenizer(
-        sp_llama, prompt, skip_special_tokens=True, spaces_between_special_tokens=False, continue_from_prompt=True
+        sp_llama,
+        prompt,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=False,
+        continue_from_prompt=True,
     )
     text = "".join(cont.push([i]) for i in output) + cont.finish()
     assert text == " big world"
     assert sp_llama.decode(prompt) + text == sp_llama.decode(full)
-    alone = IncrementalDetokenizer(sp_llama, prompt, skip_special_tokens=True, spaces_between_special_tokens=False)
+    alone = IncrementalDetokenizer(
+        sp_llama, prompt, skip_special_tokens=True, spaces_between_special_tokens=False
+    )
     assert "".join(alone.push([i]) for i in output) + alone.finish() == sp_llama.decode(output) == "big world"
 
 
@@ -269,7 +279,9 @@ _PROPERTY_SETTINGS = settings(
 
 _TEXT = st.text(
     alphabet=st.one_of(
-        st.characters(codec="utf-8", exclude_categories=("Cs",)),
+        # Planes 4+ start with UTF-8 lead bytes F1-F4, which the SmolLM2 GGUF vocabulary lacks: their
+        # encode/decode round trip is lossy, so the reference text itself would be invalid.
+        st.characters(codec="utf-8", exclude_categories=("Cs",), max_codepoint=0x3FFFF),
         st.sampled_from(list(" \n\t▁👋🏽🇫🇷‍中é")),
     ),
     max_size=40,

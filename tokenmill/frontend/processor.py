@@ -66,7 +66,7 @@ class InputProcessor:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
-            tools=tools,
+            tools=tools,  # type: ignore[arg-type]
             **template_kwargs,
         )
         assert isinstance(text, str)

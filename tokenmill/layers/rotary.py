@@ -63,7 +63,8 @@ class DynamicNTKScaling:
         """
         lengths = seq_lens.clamp(min=self.original_max_position)  # [num_tokens]
         distinct = torch.unique(lengths)  # [num_distinct], sorted
-        table = torch.stack([self._inv_freq_for_length(length) for length in distinct])  # [num_distinct, d // 2]
+        rows = [self._inv_freq_for_length(length) for length in distinct]
+        table = torch.stack(rows)  # [num_distinct, rotary_dim // 2]
         return table[torch.searchsorted(distinct, lengths)]  # [num_tokens, rotary_dim // 2]
 
     def _inv_freq_for_length(self, length: torch.Tensor) -> torch.Tensor:
@@ -157,8 +158,10 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first `rotary_dim` dims of each head of `x`; cos/sin are float32 per token."""
-        # unflatten, not reshape(n, -1, d): the head count must come from the last dim when n == 0.
-        heads = x if x.dim() == 3 else x.unflatten(-1, (-1, self.head_dim))  # [num_tokens, num_heads, head_dim]
+        heads = x
+        if x.dim() == 2:
+            # unflatten, not reshape(n, -1, d): the head count must come from the last dim when n == 0.
+            heads = x.unflatten(-1, (-1, self.head_dim))  # [num_tokens, num_heads, head_dim]
         # transformers rounds cos/sin to the activation dtype and rotates in that dtype.
         cos = cos.to(x.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim // 2]
         sin = sin.to(x.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim // 2]
@@ -211,8 +214,9 @@ def rope_parameters(config: transformers.PretrainedConfig, layer_type: str | Non
     raw = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(raw, Mapping):
         raise ValueError(f"rope parameters must be a dict, got {type(raw).__name__}")
-    values = list(raw.values())
-    is_nested = any(isinstance(v, Mapping) for v in values) and all(isinstance(v, Mapping | None) for v in values)
+    # Nested: every value is a per-layer-type dict, or None for a layer type without RoPE.
+    values = [v for v in raw.values() if v is not None]
+    is_nested = bool(values) and all(isinstance(v, Mapping) for v in values)
     if is_nested:
         if layer_type is None:
             raise ValueError(f"config has RoPE parameters per layer type {sorted(raw)}; pass layer_type")
@@ -258,7 +262,8 @@ def get_rope(
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {sorted(_INV_FREQ_BUILDERS)}")
     if rotary_dim % 2:
         raise ValueError(f"rotary dimension must be even, got {rotary_dim} (head_dim={head_dim})")
-    inv_freq, attention_scaling = _INV_FREQ_BUILDERS[rope_type](params, theta, rotary_dim, max_position_embeddings)
+    build = _INV_FREQ_BUILDERS[rope_type]
+    inv_freq, attention_scaling = build(params, theta, rotary_dim, max_position_embeddings)
     dynamic = None
     if rope_type == "dynamic":
         dynamic = DynamicNTKScaling(theta, float(params["factor"]), max_position_embeddings, rotary_dim)
@@ -274,19 +279,21 @@ def get_rope(
 
 # Each builder maps (rope params, theta, rotary_dim, max_position_embeddings) to float32 frequencies
 # [rotary_dim // 2] and the factor applied to cos/sin.
-_InvFreqBuilder = Callable[[dict[str, Any], float, int, int], tuple[torch.Tensor, float]]
+_Params = dict[str, Any]
+_InvFreq = tuple[torch.Tensor, float]
+_InvFreqBuilder = Callable[[_Params, float, int, int], _InvFreq]
 
 
-def _default_inv_freq(params: dict[str, Any], theta: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _default_inv_freq(params: _Params, theta: float, dim: int, max_pos: int) -> _InvFreq:
     return _base_inv_freq(theta, dim), 1.0
 
 
-def _linear_inv_freq(params: dict[str, Any], theta: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _linear_inv_freq(params: _Params, theta: float, dim: int, max_pos: int) -> _InvFreq:
     # Dividing positions by `factor` is the same as dividing the frequencies by it.
     return _base_inv_freq(theta, dim) / params["factor"], 1.0
 
 
-def _dynamic_inv_freq(params: dict[str, Any], theta: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _dynamic_inv_freq(params: _Params, theta: float, dim: int, max_pos: int) -> _InvFreq:
     # The cache serves sequences no longer than the original length, where the NTK stretch is 1;
     # the expression is kept (not short-cut to `theta`) because transformers evaluates it too.
     factor = params["factor"]
@@ -294,7 +301,7 @@ def _dynamic_inv_freq(params: dict[str, Any], theta: float, dim: int, max_pos: i
     return _base_inv_freq(theta * stretch ** (dim / (dim - 2)), dim), 1.0
 
 
-def _llama3_inv_freq(params: dict[str, Any], theta: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _llama3_inv_freq(params: _Params, theta: float, dim: int, max_pos: int) -> _InvFreq:
     # Llama 3.1: wavelengths shorter than original/high_freq_factor are kept, those longer than
     # original/low_freq_factor are divided by `factor`, and the band between is blended linearly in
     # `original / wavelength`.
@@ -316,7 +323,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_inv_freq(params: dict[str, Any], theta: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(params: _Params, theta: float, dim: int, max_pos: int) -> _InvFreq:
     # YaRN: high-frequency dims (many rotations within the original context) extrapolate unchanged,
     # low-frequency dims are interpolated by `factor`, with a linear ramp over the dims in between.
     original = params["original_max_position_embeddings"]

@@ -153,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype)
         self.rotary = get_rope(config, args.head_dim)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(args, self.rotary, dtype) for _ in range(args.num_layers)])
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(args, self.rotary, dtype) for _ in range(args.num_layers)]
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
@@ -215,9 +217,9 @@ class LlamaForCausalLM(nn.Module):
                 if hasattr(module, "load_weight"):
                     module.load_weight(param, tensor)
                 else:
-                    target = getattr(module, param, None)
-                    if not isinstance(target, torch.Tensor) or target.shape != tensor.shape:
+                    param_tensor = getattr(module, param, None)
+                    if not isinstance(param_tensor, torch.Tensor) or param_tensor.shape != tensor.shape:
                         raise ValueError(f"checkpoint tensor {name} does not fit this model")
-                    target.data.copy_(tensor)
+                    param_tensor.data.copy_(tensor)
             loaded.add(name)
         return loaded

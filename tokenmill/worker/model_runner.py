@@ -56,7 +56,11 @@ class ModelRunner:
         self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
         self.model.eval()
         logger.info(
-            "model %s (%s, %s) ready in %.1f s", source.name, model_class.__name__, self.dtype, time.perf_counter() - start
+            "model %s (%s, %s) ready in %.1f s",
+            source.name,
+            model_class.__name__,
+            self.dtype,
+            time.perf_counter() - start,
         )
 
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(
@@ -78,7 +82,10 @@ class ModelRunner:
             device=self.device,
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks, self.block_size, self.num_blocks * self.block_size
+            "KV cache: %d blocks of %d tokens (%d tokens)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
@@ -107,7 +114,9 @@ class ModelRunner:
             output.prompt_logprobs[request_id] = _to_position_logprobs(ids, logprobs, ranks, num_top)
         return output
 
-    def _sample(self, logits: torch.Tensor, entries: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+    def _sample(
+        self, logits: torch.Tensor, entries: list[ScheduledRequest], output: ModelRunnerOutput
+    ) -> None:
         rows = []
         for entry in entries:
             generator = None
@@ -186,13 +195,17 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            attn=AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), groups=groups),
+            attn=AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), groups=groups
+            ),
             kv_caches=self.kv_caches,
             logits_rows=torch.tensor(sample_rows + prompt_row_ids, dtype=torch.long, device=device),
         )
         return batch, sample_entries, prompt_rows
 
-    def _build_group(self, entries: list[ScheduledRequest], offsets: list[int], members: list[int]) -> AttentionGroup:
+    def _build_group(
+        self, entries: list[ScheduledRequest], offsets: list[int], members: list[int]
+    ) -> AttentionGroup:
         """Padded gather indices and the causal mask for one group of sequences."""
         bs = self.block_size
         device = self.device
@@ -230,6 +243,8 @@ def _to_position_logprobs(
 ) -> list[PositionLogprobs]:
     id_rows, value_rows, rank_list = ids.tolist(), logprobs.tolist(), ranks.tolist()
     return [
-        PositionLogprobs(token_ids=id_rows[i][: num_top + 1], logprobs=value_rows[i][: num_top + 1], rank=rank_list[i])
+        PositionLogprobs(
+            token_ids=id_rows[i][: num_top + 1], logprobs=value_rows[i][: num_top + 1], rank=rank_list[i]
+        )
         for i in range(len(rank_list))
     ]

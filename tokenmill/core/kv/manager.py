@@ -125,7 +125,9 @@ class KVCacheManager:
         Evicts unlocked cached blocks when the free list is short. All or nothing.
         """
         allocation = self._allocations.setdefault(request.request_id, KVAllocation())
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(allocation.block_ids)
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(
+            allocation.block_ids
+        )
         if needed <= 0:
             return True
         if self.pool.num_free < needed and self.radix is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -107,6 +107,30 @@ class LLM:
             )
             encoded.append((text, self.input_processor.tokenize(text, add_special_tokens=False)))
         return self._run(encoded, sampling_params, use_tqdm)
+
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate one completion (n must be 1) and yield its text as it is produced."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream generates one completion; n must be 1, got {params.n}")
+        text, token_ids = self._encode(prompt)
+        request_id = str(next(self._ids))
+        core_requests = self.input_processor.make_requests(request_id, token_ids, params)
+        state = self.output_processor.add_request(request_id, text, token_ids, params)
+        self.engine.add_request(core_requests[0])
+        sample = state.samples[0]
+        try:
+            while sample.finish_reason is None:
+                step = self.engine.step()
+                _, to_abort = self.output_processor.process(step.outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                if len(sample.text) > sample.sent_text:
+                    yield sample.text[sample.sent_text :]
+                    sample.sent_text = len(sample.text)
+        finally:
+            if sample.finish_reason is None:  # the caller stopped iterating early
+                self.engine.abort_requests(self.output_processor.abort(request_id))
 
     # ------------------------------------------------------------------ internals
 

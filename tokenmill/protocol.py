@@ -79,3 +79,90 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages between the server process and the engine-core process (ZMQ, msgpack). Each direction is a
+# tagged union, so a receiver decodes any frame with one typed decoder and dispatches on the type.
+
+
+class AddRequests(msgspec.Struct, tag="add", kw_only=True):
+    """Frontend → engine: admit these core requests together (the n samples of one user request).
+
+    The engine answers every ``AddRequests`` with exactly one ``AddResult``: all are admitted or none.
+    """
+
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
+    """Frontend → engine: stop these core requests and free their blocks; unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="call", kw_only=True):
+    """Frontend → engine: run a named engine method (``reset_prefix_cache``, ``kv_stats``...).
+
+    The engine answers with a ``UtilityResult`` carrying the same ``call_id``.
+    """
+
+    call_id: int
+    method: str
+
+
+class ShutdownEngine(msgspec.Struct, tag="shutdown", kw_only=True):
+    """Frontend → engine: leave the loop and exit cleanly."""
+
+
+FrontendMessage = AddRequests | AbortRequests | UtilityCall | ShutdownEngine
+
+
+class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
+    """Engine → frontend, once: the model is loaded and the loop is about to start."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    pid: int
+
+
+class EngineStartFailed(msgspec.Struct, tag="start_failed", kw_only=True):
+    """Engine → frontend, instead of ``EngineReady``: building the engine failed (then it exits)."""
+
+    error: str
+
+
+class AddResult(msgspec.Struct, tag="added", kw_only=True):
+    """Engine → frontend: the answer to one ``AddRequests``.
+
+    ``error`` is None when every request was admitted. Otherwise none was, and ``overloaded`` tells a
+    full waiting queue (retry later) from a request that can never run (the client's mistake).
+    """
+
+    request_ids: list[str]
+    error: str | None = None
+    overloaded: bool = False
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """Engine → frontend: one step's outputs, or a gauge update while idle (empty ``outputs``)."""
+
+    outputs: EngineCoreOutputs
+
+
+class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
+    """Engine → frontend: the answer to ``UtilityCall`` ``call_id``; ``error`` set if it raised."""
+
+    call_id: int
+    result: dict[str, int | float | bool | str | None] = {}
+    error: str | None = None
+
+
+class EngineFault(msgspec.Struct, tag="fault", kw_only=True):
+    """Engine → frontend: a step raised; every in-flight request is lost and the engine exits."""
+
+    error: str
+
+
+EngineMessage = EngineReady | EngineStartFailed | AddResult | StepOutputs | UtilityResult | EngineFault

@@ -255,8 +255,6 @@ class Scheduler:
             request.num_computed_tokens += len(entry.token_ids)
             chunk_logprobs = result.prompt_logprobs.get(entry.request_id)
             if chunk_logprobs is not None:
-                if request.num_prompt_logprobs_done == 0:
-                    request.pending_prompt_logprobs.append(None)
                 request.pending_prompt_logprobs.extend(chunk_logprobs)
                 request.num_prompt_logprobs_done += len(chunk_logprobs)
             self.kv.cache_computed_blocks(request)

@@ -43,12 +43,25 @@ class TorchPagedAttention:
 
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         for group in metadata.groups:
-            q = query[group.query_rows].transpose(1, 2)  # [S, num_heads, Q, head_dim]
-            k = key_cache[group.kv_slots].transpose(1, 2)  # [S, kv_heads, K, head_dim]
-            v = value_cache[group.kv_slots].transpose(1, 2)  # [S, kv_heads, K, head_dim]
+            num_seqs, num_queries = group.query_rows.shape
+            num_keys = group.kv_slots.shape[1]
+            # index_select on a flat index is several times faster than advanced indexing on CPU.
+            q = query.index_select(0, group.query_rows.view(-1))  # [S*Q, num_heads, head_dim]
+            q = q.view(num_seqs, num_queries, self.num_heads, self.head_dim).transpose(1, 2)  # [S, H, Q, D]
+            flat_slots = group.kv_slots.view(-1)  # [S*K]
+            k = key_cache.index_select(0, flat_slots).view(num_seqs, num_keys, self.num_kv_heads, self.head_dim)
+            v = value_cache.index_select(0, flat_slots).view(num_seqs, num_keys, self.num_kv_heads, self.head_dim)
             attended = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=self.scale, enable_gqa=True
+                q,
+                k.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
+                v.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
+                attn_mask=group.mask,
+                scale=self.scale,
+                enable_gqa=True,
             )  # [S, num_heads, Q, head_dim]
             attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # [S*Q, H, D]
-            out[group.valid_rows] = attended[group.valid_index]
+            if num_queries == 1:
+                out.index_copy_(0, group.valid_rows, attended)
+            else:
+                out.index_copy_(0, group.valid_rows, attended.index_select(0, group.valid_index))
         return out

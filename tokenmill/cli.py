@@ -12,11 +12,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that runs a model."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + output)")
-    parser.add_argument("--kv-cache-memory", type=float, default=0.25, help="KV bytes, or a fraction (<= 1) of free memory")
+    parser.add_argument(
+        "--kv-cache-memory", type=float, default=0.25, help="KV bytes, or a fraction (<= 1) of free memory"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -33,6 +36,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": not args.no_prefix_cache,
+        "policy": args.policy,
         "num_threads": args.num_threads,
         "seed": args.seed,
     }
@@ -135,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return int(args.func(args) or 0)
 
 

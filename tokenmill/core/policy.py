@@ -7,9 +7,12 @@ scheduler. Preempted requests re-enter at the front so they resume before newer 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tokenmill.core.request import Request
+
+# Cached-prefix length of a waiting request in tokens, computed without side effects.
+PrefixLengthFn = Callable[[Request], int]
 
 
 class WaitingPolicy:
@@ -40,7 +43,7 @@ class FCFSPolicy(WaitingPolicy):
 
     name = "fcfs"
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_length: PrefixLengthFn | None = None) -> None:
         self._queue: deque[Request] = deque()
 
     def add(self, request: Request) -> None:
@@ -59,12 +62,40 @@ class FCFSPolicy(WaitingPolicy):
         return len(self._queue)
 
 
-POLICIES: dict[str, type[WaitingPolicy]] = {"fcfs": FCFSPolicy}
+class LongestPrefixMatchPolicy(FCFSPolicy):
+    """Longest cached prefix first (SGLang's ``lpm``), FCFS among equals; preempted requests first.
+
+    Serving the requests that share the most cached KV first keeps hot prefixes in the cache and
+    turns a burst of related requests into cache hits. Ranking costs a tree walk per waiting request,
+    so past ``max_ranked`` waiting requests the policy falls back to FCFS order, as SGLang does.
+    """
+
+    name = "lpm"
+
+    def __init__(self, prefix_length: PrefixLengthFn | None = None, max_ranked: int = 128) -> None:
+        super().__init__()
+        if prefix_length is None:
+            raise ValueError("the lpm policy needs the prefix cache (it ranks by cached prefix length)")
+        self._prefix_length = prefix_length
+        self._max_ranked = max_ranked
+
+    def ordered(self) -> Iterator[Request]:
+        queue = list(self._queue)
+        if len(queue) > self._max_ranked:
+            return iter(queue)
+        resumed = [r for r in queue if r.num_preemptions > 0]
+        fresh = [r for r in queue if r.num_preemptions == 0]
+        ranked = sorted(enumerate(fresh), key=lambda item: (-self._prefix_length(item[1]), item[0]))
+        return iter(resumed + [request for _, request in ranked])
 
 
-def make_policy(name: str) -> WaitingPolicy:
+POLICIES: dict[str, type[WaitingPolicy]] = {"fcfs": FCFSPolicy, "lpm": LongestPrefixMatchPolicy}
+
+
+def make_policy(name: str, prefix_length: PrefixLengthFn | None = None) -> WaitingPolicy:
     """The policy registered under ``name``; ValueError lists the known ones."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(prefix_length)  # type: ignore[call-arg]

@@ -45,7 +45,9 @@ class Request:
         # Prompt positions whose logprobs were already computed and sent (survives preemption).
         self.num_prompt_logprobs_done = 0
         # The first prompt token has no context, so its entry is None (also for a one-token prompt).
-        self.pending_prompt_logprobs: list[PositionLogprobs | None] = [None] if self.wants_prompt_logprobs else []
+        self.pending_prompt_logprobs: list[PositionLogprobs | None] = (
+            [None] if self.wants_prompt_logprobs else []
+        )
         params = self.sampling_params
         limit = max_model_len - len(self.prompt_token_ids)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)

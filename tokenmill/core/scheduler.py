@@ -86,7 +86,8 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
-        self.waiting = make_policy(config.policy)
+        prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
+        self.waiting = make_policy(config.policy, prefix_length)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []

@@ -104,6 +104,14 @@ class KVCacheManager:
         self.prefix_hit_tokens += num_tokens
         return num_tokens
 
+    def peek_prefix_tokens(self, request: Request) -> int:
+        """Cached prefix length of a waiting request, in tokens, changing nothing (for policies)."""
+        if self.radix is None or request.wants_prompt_logprobs:
+            return 0
+        limit = (request.num_tokens - 1) // self.block_size * self.block_size
+        blocks = self.radix.peek_prefix_blocks(self.namespace(request), request.all_token_ids[:limit])
+        return int(blocks) * self.block_size
+
     def share_prefix(self, source_id: str, request: Request, num_tokens: int) -> int:
         """Give a fresh ``request`` the first full blocks of ``source_id``'s table (n > 1 siblings).
 

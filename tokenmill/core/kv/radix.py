@@ -175,6 +175,32 @@ class RadixCache:
         node, block_ids = self._descend(self._root(namespace), key)
         return PrefixMatch(block_ids=block_ids, node=node, block_size=self.block_size)
 
+    def peek_prefix_blocks(self, namespace: Hashable, tokens: Sequence[int]) -> int:
+        """How many whole blocks of ``tokens`` are cached, without splitting or touching LRU times.
+
+        For scheduling policies that rank waiting requests by their cached prefix.
+        """
+        bs = self.block_size
+        root = self._roots.get(_DEFAULT_NAMESPACE if namespace is None else namespace)
+        if root is None:
+            return 0
+        node, pos, matched_blocks = root, 0, 0
+        while pos + bs <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + bs]))
+            if child is None:
+                break
+            for i in range(child.num_blocks):
+                start = pos + i * bs
+                if (
+                    start + bs > len(tokens)
+                    or tuple(tokens[start : start + bs]) != child.tokens[i * bs : (i + 1) * bs]
+                ):
+                    return matched_blocks
+                matched_blocks += 1
+            pos += child.num_blocks * bs
+            node = child
+        return matched_blocks
+
     def insert(self, namespace: Hashable, tokens: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
         """Cache ``tokens`` (exactly ``len(block_ids) * block_size`` of them) backed by ``block_ids``.
 

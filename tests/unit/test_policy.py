@@ -1,0 +1,86 @@
+"""Waiting-queue policies: FCFS order and longest-prefix-match ranking over the real radix cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv.manager import KVCacheManager
+from tokenmill.core.policy import make_policy
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.protocol import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 2) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(
+        EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params), 256
+    )
+
+
+def run_to_completion(scheduler: Scheduler) -> list[str]:
+    """Drive the scheduler with a fake model that always samples token 7; returns admission order."""
+    admitted: list[str] = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        for entry in plan.scheduled:
+            if entry.request_id not in admitted:
+                admitted.append(entry.request_id)
+        result = ModelRunnerOutput(sampled_token_ids={e.request_id: 7 for e in plan.scheduled if e.sample})
+        scheduler.update(plan, result)
+    return admitted
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="unknown scheduling policy 'nope'.*fcfs.*lpm"):
+        make_policy("nope")
+
+
+def test_lpm_needs_the_prefix_cache() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="lpm policy needs the prefix cache"):
+        Scheduler(SchedulerConfig(policy="lpm"), kv, max_model_len=256)
+
+
+def test_peek_prefix_changes_nothing_and_counts_whole_blocks() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    scheduler = Scheduler(SchedulerConfig(), kv, max_model_len=256)
+    shared = list(range(1, 13))  # three full blocks
+    scheduler.add_request(make_request("warm", shared + [50]))
+    run_to_completion(scheduler)
+    cached = kv.radix.cached_blocks
+    probe = make_request("probe", shared[:10] + [99, 98, 97])
+    assert kv.peek_prefix_tokens(probe) == 8  # blocks 0 and 1 match; block 2 diverges
+    assert kv.radix.cached_blocks == cached
+    kv.radix.check_integrity()
+
+
+def test_lpm_admits_the_longest_cached_prefix_first() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK)
+    config = SchedulerConfig(policy="lpm", max_num_seqs=1, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, kv, max_model_len=256)
+    hot = list(range(1, 17))  # four full blocks
+    scheduler.add_request(make_request("warm", hot + [60]))
+    run_to_completion(scheduler)
+
+    scheduler.add_request(make_request("cold", [90 + i for i in range(17)]))
+    scheduler.add_request(make_request("half", hot[:8] + [70 + i for i in range(9)]))
+    scheduler.add_request(make_request("full", hot + [80]))
+    assert run_to_completion(scheduler) == ["full", "half", "cold"]
+    assert kv.all_free_or_cached()
+    kv.check_integrity()
+
+
+def test_fcfs_keeps_arrival_order() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1), kv, max_model_len=256)
+    hot = list(range(1, 17))
+    scheduler.add_request(make_request("warm", hot + [60]))
+    run_to_completion(scheduler)
+    scheduler.add_request(make_request("cold", [90 + i for i in range(17)]))
+    scheduler.add_request(make_request("full", hot + [80]))
+    assert run_to_completion(scheduler) == ["cold", "full"]

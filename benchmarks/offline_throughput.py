@@ -60,13 +60,18 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> floa
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
     batch = args.hf_batch_size
     with torch.inference_mode():
-        model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        warm = torch.tensor(prompts[:2])
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
         num_tokens = 0
         for i in range(0, len(prompts), batch):
             ids = torch.tensor(prompts[i : i + batch])  # equal lengths: no padding needed
             out = model.generate(
-                ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
             )
             num_tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
         elapsed = time.perf_counter() - start

@@ -126,13 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_args(serve)
         serve.set_defaults(func=cmd_serve)
 
-    try:
-        from tokenmill.bench.cli import add_bench_args
-    except ImportError:
-        add_bench_args = None
-    if add_bench_args is not None:
-        bench = sub.add_parser("bench", help="benchmark clients")
-        add_bench_args(bench)
+    from tokenmill.bench.cli import add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmark clients")
+    add_bench_args(bench)
     return parser
 
 

@@ -39,6 +39,7 @@ class LlamaArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     hidden_act: str
+    sliding_window: int | None
 
     @classmethod
     def from_hf(cls, config) -> LlamaArgs:  # type: ignore[no-untyped-def]
@@ -47,6 +48,11 @@ class LlamaArgs:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = model_type == "qwen2" or attention_bias
+        sliding_window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+        if model_type in ("qwen2", "qwen3") and getattr(config, "use_sliding_window", False):
+            raise ValueError(
+                f"{model_type} with use_sliding_window=True (per-layer windows) is not supported yet"
+            )
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -62,6 +68,7 @@ class LlamaArgs:
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=getattr(config, "hidden_act", "silu"),
+            sliding_window=sliding_window,
         )
 
 
@@ -159,6 +166,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Mistral's attention window (every layer), or None for full attention."""
+        return self.args.sliding_window
 
     @property
     def num_kv_heads(self) -> int:

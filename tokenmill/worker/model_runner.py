@@ -87,6 +87,7 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
         )
+        self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -227,6 +228,9 @@ class ModelRunner:
         kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
         query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
         mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
+        if self.sliding_window is not None:
+            # A query sees only the last `sliding_window` positions, itself included.
+            mask &= key_index[None, None, :] > query_pos[:, :, None] - self.sliding_window
         valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
         return AttentionGroup(
             query_rows=query_rows.to(device),

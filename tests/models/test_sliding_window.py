@@ -1,0 +1,56 @@
+"""Mistral's sliding-window attention: prompts longer than the window match transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import UNK, TinySpec, _build_config, _build_tokenizer, _randomise
+from tokenmill import LLM, SamplingParams
+
+WINDOW = 6
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    import transformers
+
+    spec = TinySpec("mistral", "MistralConfig", {"num_key_value_heads": 2, "sliding_window": WINDOW})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_build_config(spec), dtype=torch.float32).eval()
+    _randomise(model, seed=11)
+    folder = tmp_path_factory.mktemp("tiny-mistral-window")
+    model.save_pretrained(folder)
+    _build_tokenizer().save_pretrained(folder)
+    return str(folder), model
+
+
+def test_window_shorter_than_the_prompt_matches_transformers(windowed_mistral) -> None:  # type: ignore[no-untyped-def]
+    folder, hf = windowed_mistral
+    prompts = [[10 + (7 * i + j) % 140 for j in range(length)] for i, length in enumerate((3, 9, 17, 25))]
+    llm = LLM(folder, dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=UNK,
+        )[0, len(prompt) :].tolist()
+        assert output.outputs[0].token_ids == expected
+
+
+def test_window_is_what_makes_the_difference(windowed_mistral) -> None:  # type: ignore[no-untyped-def]
+    """The same weights with full attention give different logits past the window: the mask matters."""
+    folder, hf = windowed_mistral
+    prompt = [10 + j for j in range(20)]
+    with torch.no_grad():
+        windowed = hf(torch.tensor([prompt])).logits[0, -1]
+        hf.config.sliding_window = None
+        full = hf(torch.tensor([prompt])).logits[0, -1]
+        hf.config.sliding_window = WINDOW
+    assert not torch.allclose(windowed, full, atol=1e-3)

@@ -120,6 +120,14 @@ class MergedColumnLinear(ColumnParallelLinear):
         assert target is not None, f"unexpected {param_name}"
         target.data.narrow(0, offset, size).copy_(_shard(tensor, 0, self.tp_rank, self.tp_size))
 
+    def load_fused(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Load a checkpoint tensor that already holds every shard stacked (Phi-3's qkv_proj)."""
+        full_sizes = [size * self.tp_size for _, size in self.shard_offsets.values()]
+        if tensor.shape[0] != sum(full_sizes):
+            raise ValueError(f"fused {param_name} has {tensor.shape[0]} rows, expected {sum(full_sizes)}")
+        for shard_name, part in zip(self.shard_offsets, tensor.split(full_sizes, dim=0)):
+            self.load_shard(shard_name, param_name, part)
+
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Cut this layer's output back into its shards, in construction order."""
         return list(out.split([size for _, size in self.shard_offsets.values()], dim=-1))

@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (per-head q/k RMSNorm), SmolLM2.
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k RMSNorm), Phi-3, SmolLM2.
 
 One decoder definition; the differences between these architectures are configuration
 (biases, head_dim, q/k norms, rope scaling, tied embeddings), read once in ``LlamaArgs``.
@@ -216,7 +216,12 @@ class LlamaForCausalLM(nn.Module):
             key = name.removeprefix("model.")
             module_path, _, param = key.rpartition(".")
             parent, _, leaf = module_path.rpartition(".")
-            if leaf in merged:
+            if leaf in ("qkv_proj", "gate_up_proj"):  # Phi-3 stores the merged projections fused
+                module = modules.get(module_path)
+                if not isinstance(module, MergedColumnLinear):
+                    raise ValueError(f"checkpoint tensor {name} has no place in this model")
+                module.load_fused(param, tensor)
+            elif leaf in merged:
                 target, shard = merged[leaf]
                 module = modules.get(f"{parent}.{target}")
                 if not isinstance(module, MergedColumnLinear):

@@ -11,13 +11,20 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 
 def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-def]
     """The native class for ``config.architectures``; ValueError names the architecture if none."""
     architectures = list(getattr(config, "architectures", None) or [])
-    if not architectures and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2", "qwen3"):
+    if not architectures and getattr(config, "model_type", None) in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+    ):
         return LlamaForCausalLM  # GGUF-derived configs carry a model_type but no architectures
     for arch in architectures:
         if arch in NATIVE_MODELS:

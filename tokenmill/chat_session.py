@@ -12,7 +12,9 @@ from tokenmill.sampling_params import SamplingParams
 class ChatSession:
     """Keeps the conversation and streams each reply; the reply is added to the history once done."""
 
-    def __init__(self, model: str, params: SamplingParams, system: str | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model: str, params: SamplingParams, system: str | None = None, **engine_kwargs: Any
+    ) -> None:
         self.llm = LLM(model, **engine_kwargs)
         self.params = params
         self.messages: list[dict[str, Any]] = []

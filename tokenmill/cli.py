@@ -117,14 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    try:
-        from tokenmill.server.cli_args import add_serve_args
-    except ImportError:  # the server extra is part of the package; this only guards partial installs
-        add_serve_args = None
-    if add_serve_args is not None:
-        serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-        add_serve_args(serve)
-        serve.set_defaults(func=cmd_serve)
+    from tokenmill.server.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     from tokenmill.bench.cli import add_bench_args
 

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -192,7 +192,6 @@ class AsyncLLM:
         takes longer than ``start_timeout`` seconds; the process is cleaned up in every case.
         """
         source = source or resolve_model(config.model.model)
-        tokenizer = source.load_tokenizer()
         socket_dir = make_socket_dir()
         input_address, output_address = socket_addresses(socket_dir)
         async_context = zmq.asyncio.Context()
@@ -208,6 +207,8 @@ class AsyncLLM:
         handle = spawn_engine_process(config, socket_dir, log_level)
         sockets = (sync_context, input_socket, async_context, output)
         try:
+            # The engine loads the model meanwhile: loading the tokenizer here overlaps with it.
+            tokenizer = source.load_tokenizer()
             ready = await _wait_ready(output, handle.process, start_timeout)
         except BaseException:
             _kill(handle.process)
@@ -242,7 +243,7 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestState]:
+    ) -> AsyncGenerator[RequestState, None]:
         """Run one request; yields its ``RequestState`` once accepted and then after every change.
 
         The first item arrives when the engine has accepted the request (so callers can still answer
@@ -455,12 +456,12 @@ class AsyncLLM:
         """Fail every waiting caller at once; later calls raise ``EngineDeadError``."""
         if self._dead_reason is None:
             self._dead_reason = reason
-        in_flight = EngineFaultError(f"{reason} while this request was in flight")
+        message = f"{reason} while this request was in flight"
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
-                stream.accepted.set_exception(in_flight)
+                stream.accepted.set_exception(EngineFaultError(message))
             elif stream.error is None and not stream.state.finished:
-                stream.error = in_flight
+                stream.error = EngineFaultError(message)
             stream.changed.set()
         for future in self._calls.values():
             if not future.done():
@@ -496,7 +497,9 @@ class AsyncLLM:
         )
 
 
-async def _wait_ready(output: zmq.asyncio.Socket, process: subprocess.Popen[bytes], timeout: float) -> EngineReady:
+async def _wait_ready(
+    output: zmq.asyncio.Socket, process: subprocess.Popen[bytes], timeout: float
+) -> EngineReady:
     decoder = msgspec.msgpack.Decoder(EngineMessage)
     deadline = time.monotonic() + timeout
     while True:

@@ -46,6 +46,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids(tokenizer, hf_config)
         self.vocab_size = int(hf_config.vocab_size)
+        self.model_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -83,16 +84,30 @@ class InputProcessor:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        # Checked here, not only in the engine core, so that a batch is rejected before any of it is queued.
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if num >= self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{num} tokens, which leaves no room for output"
+                f"{num} tokens, which leaves no room for output{self._why_window()}"
             )
         if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num} prompt tokens "
-                f"plus max_tokens={params.max_tokens} make {num + params.max_tokens}"
+                f"plus max_tokens={params.max_tokens} make {num + params.max_tokens}{self._why_window()}"
             )
+
+    def _why_window(self) -> str:
+        # A window below the model's own limit was set by max_model_len or capped by the KV pool; a
+        # request that does not fit the pool must say so rather than blame the model.
+        if self.model_max_len <= self.max_model_len:
+            return ""
+        return (
+            f" (the model itself allows {self.model_max_len}; the window is lowered by max_model_len or by "
+            "the size of the KV cache, which kv_cache_memory or num_blocks can raise)"
+        )
 
     def make_requests(
         self,

@@ -65,7 +65,9 @@ class ServerContext:
         """503 at once when the engine process is gone."""
         if not self.engine.is_alive:
             reason = self.engine.dead_reason or "the engine process is not running"
-            raise APIError(503, f"the engine is not available: {reason}", type="server_error", code="engine_unavailable")
+            raise APIError(
+                503, f"the engine is not available: {reason}", type="server_error", code="engine_unavailable"
+            )
 
     @staticmethod
     def new_request_id(prefix: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,9 +260,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
 
-def run_engine_process(
-    config: EngineConfig, input_address: str, output_address: str, parent_pid: int
-) -> int:
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> int:
     """Build the engine, report ready (or why not), and serve; returns the exit code."""
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
@@ -299,8 +298,11 @@ def run_engine_process(
         return 0
     finally:
         input_socket.close(linger=0)
-        output_socket.close()
+        output_socket.close(linger=0 if os.getppid() != parent_pid else 1000)
         context.term()
+        if os.getppid() != parent_pid:
+            # The server died without cleaning up; its socket folder would otherwise stay in /tmp.
+            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

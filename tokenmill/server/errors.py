@@ -81,7 +81,9 @@ def from_engine_error(exc: Exception, prompt_param: str) -> APIError:
             return APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
         return from_value_error(exc, prompt_param)
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is not available: {exc}", type="server_error", code="engine_unavailable")
+        return APIError(
+            503, f"the engine is not available: {exc}", type="server_error", code="engine_unavailable"
+        )
     if isinstance(exc, EngineFaultError):
         return APIError(500, str(exc), type="server_error", code="engine_fault")
     if isinstance(exc, ValueError):

@@ -42,8 +42,12 @@ class _EngineCollector:
         yield self._gauge(
             "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1).", stats.kv_cache_usage
         )
-        yield self._gauge("engine_alive", "1 while the engine process serves, else 0.", float(self.engine.is_alive))
-        yield self._counter("num_preemptions", "Sequences preempted to free KV blocks.", stats.num_preemptions)
+        yield self._gauge(
+            "engine_alive", "1 while the engine process serves, else 0.", float(self.engine.is_alive)
+        )
+        yield self._counter(
+            "num_preemptions", "Sequences preempted to free KV blocks.", stats.num_preemptions
+        )
         yield self._counter("prompt_tokens", "Prompt tokens of accepted requests.", stats.prompt_tokens)
         yield self._counter(
             "cached_prompt_tokens", "Prompt tokens served from the prefix cache.", stats.cached_prompt_tokens

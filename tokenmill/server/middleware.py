@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.errors import APIError

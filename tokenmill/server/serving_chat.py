@@ -31,7 +31,15 @@ from tokenmill.server.openai_protocol import (
     now_seconds,
 )
 from tokenmill.server.sampling import build_sampling_params
-from tokenmill.server.streaming import SSE_DONE, ClientDisconnected, SSEResponse, finish_streams, merge_streams, open_streams, sse
+from tokenmill.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    SSEResponse,
+    finish_streams,
+    merge_streams,
+    open_streams,
+    sse,
+)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -94,13 +102,17 @@ def _check_supported(body: ChatCompletionRequest) -> None:
             param="response_format",
         )
     if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice must be 'none' or 'auto': forced tool calls are not supported yet", param="tool_choice")
+        raise bad_request(
+            "tool_choice must be 'none' or 'auto': forced tool calls are not supported yet",
+            param="tool_choice",
+        )
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs"
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
+                param="top_logprobs",
             )
 
 
@@ -141,7 +153,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     return JSONResponse(_chat_response(ctx, request_id, state, num_top).model_dump(mode="json"))
 
 
-def _chat_response(ctx: ServerContext, request_id: str, state: RequestState, num_top: int | None) -> ChatCompletionResponse:
+def _chat_response(
+    ctx: ServerContext, request_id: str, state: RequestState, num_top: int | None
+) -> ChatCompletionResponse:
     choices = []
     for sample in state.samples:
         logprobs = None
@@ -156,7 +170,9 @@ def _chat_response(ctx: ServerContext, request_id: str, state: RequestState, num
                 stop_reason=sample.stop_reason,
             )
         )
-    return ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage_of([state]))
+    return ChatCompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage_of([state])
+    )
 
 
 def _chunk_choices(sample: SampleState, num_top: int | None, finish_sent: set[int]) -> list[ChatChunkChoice]:
@@ -172,7 +188,10 @@ def _chunk_choices(sample: SampleState, num_top: int | None, finish_sent: set[in
         finish_sent.add(sample.index)
         choices.append(
             ChatChunkChoice(
-                index=sample.index, delta={}, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason
+                index=sample.index,
+                delta={},
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
             )
         )
     return choices
@@ -190,7 +209,9 @@ async def _stream_chat(
 
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
         return sse(
-            ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+            ChatCompletionChunk(
+                id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+            )
         )
 
     finish_sent: set[int] = set()

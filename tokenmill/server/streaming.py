@@ -72,7 +72,9 @@ async def _first_items(streams: list[AsyncGenerator[RequestState, None]]) -> lis
         raise
 
 
-async def open_streams(request: Request, streams: list[AsyncGenerator[RequestState, None]]) -> list[RequestState]:
+async def open_streams(
+    request: Request, streams: list[AsyncGenerator[RequestState, None]]
+) -> list[RequestState]:
     """Wait until the engine has accepted every stream (all or none); returns their states.
 
     Raises the first stream's error (ValueError, RequestRejectedError, EngineDeadError...) or
@@ -102,7 +104,9 @@ async def finish_streams(request: Request, streams: list[AsyncGenerator[RequestS
     await unless_disconnected(request, run_all())
 
 
-async def merge_streams(streams: list[AsyncGenerator[RequestState, None]]) -> AsyncIterator[tuple[int, RequestState]]:
+async def merge_streams(
+    streams: list[AsyncGenerator[RequestState, None]],
+) -> AsyncIterator[tuple[int, RequestState]]:
     """Interleave several streams as their items arrive, yielding ``(stream index, state)``.
 
     Closing the merged iterator closes (and so aborts) every stream that has not finished.

@@ -49,8 +49,12 @@ class TorchPagedAttention:
             q = query.index_select(0, group.query_rows.view(-1))  # [S*Q, num_heads, head_dim]
             q = q.view(num_seqs, num_queries, self.num_heads, self.head_dim).transpose(1, 2)  # [S, H, Q, D]
             flat_slots = group.kv_slots.view(-1)  # [S*K]
-            k = key_cache.index_select(0, flat_slots).view(num_seqs, num_keys, self.num_kv_heads, self.head_dim)
-            v = value_cache.index_select(0, flat_slots).view(num_seqs, num_keys, self.num_kv_heads, self.head_dim)
+            k = key_cache.index_select(0, flat_slots).view(
+                num_seqs, num_keys, self.num_kv_heads, self.head_dim
+            )
+            v = value_cache.index_select(0, flat_slots).view(
+                num_seqs, num_keys, self.num_kv_heads, self.head_dim
+            )
             attended = F.scaled_dot_product_attention(
                 q,
                 k.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]

@@ -1,0 +1,120 @@
+"""Servers of their own: a full waiting queue (429), a killed engine (500 in flight, then 503), and
+shutdown by signal with a request in flight (no orphan engine process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+from server_process import TINY_ARGS, ServerProcess, process_gone, wait_until
+from tiny_model import words
+
+LONG = {"prompt": words([5, 6, 7]), "max_tokens": 4000, "ignore_eos": True}
+SHORT = {"prompt": words([5, 6, 7]), "max_tokens": 2}
+
+
+async def wait_for_engine(http: httpx.AsyncClient, key: str, value: int) -> None:
+    """Poll the admin endpoint until the engine reports ``key == value`` (bounded by the caller)."""
+    while (await http.get("/v1/admin/kv")).json()[key] != value:
+        await asyncio.sleep(0.01)
+
+
+def test_full_waiting_queue_is_429(tiny_model_dir: str) -> None:
+    server = ServerProcess(tiny_model_dir, [*TINY_ARGS, "--max-num-seqs", "1", "--max-waiting", "1"])
+
+    async def run() -> None:
+        async with server.async_http() as http:
+            async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
+                assert running.status_code == 200
+                # One sequence runs at a time, so this one waits; the queue is then full.
+                waiting = asyncio.ensure_future(http.post("/v1/completions", json=SHORT))
+                await wait_for_engine(http, "num_waiting", 1)
+                refused = await http.post("/v1/completions", json=SHORT)
+                assert refused.status_code == 429
+                assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+                with pytest.raises(openai.RateLimitError):
+                    await server.async_client().completions.create(model=tiny_model_dir, **SHORT)  # type: ignore[arg-type]
+            # Closing the running stream aborts it; the waiting request then runs to the end.
+            answered = await waiting
+            assert answered.status_code == 200
+            assert answered.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        server.stop()
+
+
+def test_killed_engine_fails_fast(tiny_model_dir: str) -> None:
+    server = ServerProcess(tiny_model_dir, TINY_ARGS)
+    engine_pid = server.engine_pid()
+
+    async def run() -> None:
+        async with server.async_http() as http:
+            async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as streaming:
+                pending = asyncio.ensure_future(http.post("/v1/completions", json=LONG))
+                await wait_for_engine(http, "num_running", 2)
+                os.kill(engine_pid, signal.SIGKILL)
+                events = [line async for line in streaming.aiter_lines() if line]
+            # In flight: the stream ends with an error event and [DONE]; the plain request gets a 500.
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert error["code"] == "engine_fault"
+            answered = await pending
+            assert answered.status_code == 500
+            assert answered.json()["error"]["code"] == "engine_fault"
+            # Afterwards: health fails and new work is refused at once with 503.
+            assert (await http.get("/health")).status_code == 503
+            for path, body in [
+                ("/v1/completions", SHORT),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "<5>"}]}),
+            ]:
+                refused = await http.post(path, json=body)
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "engine_unavailable"
+            metrics = (await http.get("/metrics")).text
+            assert any(
+                line.startswith("tokenmill:engine_alive") and line.endswith(" 0.0")
+                for line in metrics.splitlines()
+            )
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+        assert process_gone(engine_pid)
+    finally:
+        server.stop()
+    assert server.process.returncode is not None
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"]
+)
+def test_signal_shuts_down_with_a_stream_in_flight(tiny_model_dir: str, sig: int) -> None:
+    server = ServerProcess(tiny_model_dir, [*TINY_ARGS, "--shutdown-timeout", "1"])
+    engine_pid = server.engine_pid()
+    try:
+        with (
+            server.http() as http,
+            http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+        ):
+            assert r.status_code == 200
+            server.process.send_signal(sig)
+            # The stream ends (the server cuts it) rather than running to 4000 tokens.
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in r.iter_lines():
+                    pass
+        server.process.wait(30)
+    finally:
+        server.stop()
+    if sig == signal.SIGKILL:
+        # No clean-up ran in the server: the engine notices its parent is gone and exits by itself.
+        wait_until(lambda: process_gone(engine_pid), timeout=20)
+    else:
+        # The server stops its engine and waits for it before exiting.
+        assert process_gone(engine_pid), "the engine process outlived the server"

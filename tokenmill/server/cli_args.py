@@ -1,0 +1,181 @@
+"""``tokenmill serve`` arguments and the entry point that runs the server.
+
+``add_serve_args`` fills an argparse parser (``tokenmill.cli`` owns the sub-command); ``run_server``
+builds the engine config and server settings from the parsed arguments, starts uvicorn and returns
+once the server has shut down (the engine process is stopped by then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import socket
+import sys
+
+import uvicorn
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.core.policy import POLICIES
+from tokenmill.loader import resolve_model
+from tokenmill.server.app import build_app
+from tokenmill.server.context import DEFAULT_MAX_BODY_BYTES, ServerSettings
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _memory(value: str) -> int | float:
+    """``0.3`` is a fraction of available memory; ``2000000000`` is bytes."""
+    number = float(value)
+    if number.is_integer() and number > 1:
+        return int(number)
+    return number
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add every ``tokenmill serve`` option to ``parser``."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"bundled alias, model folder or .gguf file (default {DEFAULT_MODEL})",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)"
+    )
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one)")
+    server.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model (default: MODEL)",
+    )
+    server.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413"
+    )
+    server.add_argument(
+        "--log-requests", action="store_true", help="also log prompt and completion text (off: never logged)"
+    )
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    server.add_argument("--access-log", action="store_true", help="log every HTTP request line (uvicorn)")
+    server.add_argument(
+        "--engine-start-timeout", type=float, default=600.0, help="seconds to wait for the model"
+    )
+    server.add_argument(
+        "--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGINT/SIGTERM"
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    model.add_argument(
+        "--max-model-len", type=int, default=None, help="context window (default: the model's)"
+    )
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--device", default="cpu")
+    model.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads in the engine process"
+    )
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument(
+        "--kv-cache-memory", type=_memory, default=0.25, help="fraction of available memory (<= 1) or bytes"
+    )
+    cache.add_argument(
+        "--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)"
+    )
+    cache.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    scheduler = parser.add_argument_group("scheduler")
+    scheduler.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    scheduler.add_argument("--max-num-seqs", type=int, default=128, help="most sequences running at once")
+    scheduler.add_argument("--policy", default="fcfs", choices=sorted(POLICIES), help="waiting-queue order")
+    scheduler.add_argument(
+        "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = args.served_model_name or [args.model]
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            device=args.device,
+            served_model_name=names[0],
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_cache,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            policy=args.policy,
+            max_waiting=args.max_waiting,
+        ),
+        num_threads=args.num_threads,
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        model=args.model,
+        served_model_names=list(args.served_model_name or []),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_requests=args.log_requests,
+        log_level=args.log_level.lower(),  # `tokenmill --log-level INFO serve` spells it in capitals
+        access_log=args.access_log,
+        engine_start_timeout=args.engine_start_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, announcing the URL once the socket is bound and the engine is ready."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"tokenmill serving {self.model_name} at http://{host}:{port}/v1", flush=True)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM; exits the process with an error message on bad arguments."""
+    settings = settings_from_args(args)
+    config = engine_config_from_args(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config.validate()
+        source = resolve_model(args.model)
+    except ValueError as exc:
+        sys.exit(f"tokenmill serve: {exc}")
+    app = build_app(settings, config, source)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
+        lifespan="on",
+    )
+    # uvicorn re-raises the SIGINT it handled once shutdown is done; that is not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        _Server(uvicorn_config, settings.model_name).run()

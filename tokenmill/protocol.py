@@ -79,6 +79,9 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    # Running totals since start-up: prompt tokens looked up in the prefix cache and tokens it served.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -91,6 +91,8 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_manager.usage(),
             num_preemptions=plan.num_preempted,
+            prefix_cache_queried_tokens=self.kv_manager.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.kv_manager.prefix_hit_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:

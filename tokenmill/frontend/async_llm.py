@@ -85,6 +85,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -406,6 +408,8 @@ class AsyncLLM:
         self.stats.num_waiting = batch.num_waiting
         self.stats.kv_cache_usage = batch.kv_cache_usage
         self.stats.num_preemptions += batch.num_preemptions
+        self.stats.prefix_cache_queried_tokens = batch.prefix_cache_queried_tokens
+        self.stats.prefix_cache_hit_tokens = batch.prefix_cache_hit_tokens
         if not batch.outputs:
             return
         now = time.monotonic()

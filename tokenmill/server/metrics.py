@@ -53,6 +53,20 @@ class _EngineCollector:
             "cached_prompt_tokens", "Prompt tokens served from the prefix cache.", stats.cached_prompt_tokens
         )
         yield self._counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield self._counter(
+            "prefix_cache_queries",
+            "Tokens looked up in the prefix cache at admission.",
+            stats.prefix_cache_queried_tokens,
+        )
+        yield self._counter(
+            "prefix_cache_hits", "Tokens the prefix cache served at admission.", stats.prefix_cache_hit_tokens
+        )
+        queried = stats.prefix_cache_queried_tokens
+        yield self._gauge(
+            "prefix_cache_hit_rate",
+            "Prefix-cache hits over queries since start-up (0 before any query).",
+            stats.prefix_cache_hit_tokens / queried if queried else 0.0,
+        )
         finished = CounterMetricFamily(
             "tokenmill:request_success",
             "Requests that ended, by finish reason.",

@@ -8,7 +8,6 @@ free or held only by the prefix tree, and ``check_integrity()`` passing.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,11 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-# Two cores are shared by everything on the test machine; more threads only add contention.
-torch.set_num_threads(min(2, torch.get_num_threads()))
-
 VOCAB_SIZE = 160
-UNK, EOS, USER, ASSISTANT, SYSTEM = 0, 1, 2, 3, 4
+UNK, EOS = 0, 1
 SPECIAL_TOKENS = ["<unk>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 FIRST_WORD = len(SPECIAL_TOKENS)
 CHAT_TEMPLATE = (
@@ -53,7 +49,9 @@ TINY_SPECS: dict[str, TinySpec] = {
     "llama": TinySpec("llama", "LlamaConfig", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
     # One KV head for all four query heads, tied embeddings, no sliding window.
     "mistral": TinySpec(
-        "mistral", "MistralConfig", {"num_key_value_heads": 1, "tie_word_embeddings": True, "sliding_window": None}
+        "mistral",
+        "MistralConfig",
+        {"num_key_value_heads": 1, "tie_word_embeddings": True, "sliding_window": None},
     ),
     # Q/K/V biases (randomised below so that they matter), tied embeddings.
     "qwen2": TinySpec("qwen2", "Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
@@ -185,6 +183,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Tiny
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread. The models here are tiny or small, so a second thread gains little,
+    and on a busy shared machine OpenMP threads spin at every barrier while a sibling is descheduled:
+    transformers' greedy decode of SmolLM2 measured 2 s on one thread and 20-40 s on two."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 # ---------------------------------------------------------------- the KV invariant after every test
 
 _LIVE_LLMS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -217,11 +226,3 @@ def _kv_cache_is_clean_after_test() -> Iterator[None]:
         assert not llm.output_processor.requests, "a request was left in the output processor"
         engine.kv_manager.check_integrity()
         assert engine.kv_manager.all_free_or_cached(), "blocks are still held outside the prefix tree"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The bundled model is slow to load; let the fast tests report first.
-    items.sort(key=lambda item: "smollm2" in item.nodeid)
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,76 @@
+"""Shared-prefix serving: tokenmill with the radix prefix cache on and off, and llama-server.
+
+The workload of the RadixAttention issue: G groups x R requests, each group sharing a long prefix
+(default 8 x 16, 1,024-token prefix + 64-token question, 64 output tokens), 16 concurrent clients.
+Prints mean / p99 TTFT and output throughput for each, and the ratios (cache on vs off, and vs
+llama-server, whose per-slot prompt cache stays on here).
+
+    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin .venv/bin/python benchmarks/shared_prefix.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from peers import (
+    bundled_gguf,
+    cpu_name,
+    git_describe,
+    llama_cpp_tool,
+    llama_server,
+    print_table,
+    run_bench,
+    summary,
+)
+from peers import tokenmill_server as tokenmill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--per-group", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--llama-server", default=None, help="path of llama-server (else $LLAMA_CPP_BIN)")
+    parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"], help="tokenmill's waiting policy")
+    args = parser.parse_args()
+
+    bench_args = [
+        "--dataset", "shared-prefix",
+        "--prefix-groups", str(args.groups),
+        "--prompts-per-group", str(args.per_group),
+        "--prefix-len", str(args.prefix_len),
+        "--question-len", str(args.question_len),
+        "--output-len", str(args.output_len),
+        "--max-concurrency", str(args.concurrency),
+        "--ignore-eos",
+    ]  # fmt: skip
+    print(
+        f"shared prefix: {args.groups} groups x {args.per_group}, {args.prefix_len} + {args.question_len} "
+        f"tokens in, {args.output_len} out, {args.concurrency} concurrent; {cpu_name()}; tokenmill {git_describe()}"
+    )
+    context = ["--max-model-len", "2048"]
+    rows: dict[str, dict[str, float]] = {}
+    with tokenmill("smollm2-135m", [*context, "--policy", args.policy]) as url:
+        rows["tokenmill cache on"] = summary(run_bench(url, "cache-on", bench_args))
+    with tokenmill("smollm2-135m", [*context, "--no-prefix-cache"]) as url:
+        rows["tokenmill cache off"] = summary(run_bench(url, "cache-off", bench_args))
+
+    server_bin = llama_cpp_tool("llama-server", args.llama_server)
+    if server_bin is not None:
+        with llama_server(server_bin, bundled_gguf(), args.concurrency, 2048, []) as url:
+            rows["llama-server Q4_1"] = summary(run_bench(url, "llama-server", bench_args))
+    else:
+        print("llama-server not found: pass --llama-server or set LLAMA_CPP_BIN (see PEERS.md)")
+    print_table(rows, baseline="tokenmill cache off")
+    if "llama-server Q4_1" in rows:
+        on, peer = rows["tokenmill cache on"], rows["llama-server Q4_1"]
+        print(f"cache on vs llama-server: throughput x{on['output_tok_s'] / peer['output_tok_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

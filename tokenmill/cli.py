@@ -7,39 +7,7 @@ import logging
 import sys
 from typing import Any
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that runs a model."""
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + output)")
-    parser.add_argument(
-        "--kv-cache-memory", type=float, default=0.25, help="KV bytes, or a fraction (<= 1) of free memory"
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order")
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    memory: int | float = args.kv_cache_memory
-    if memory > 1:
-        memory = int(memory)
-    return {
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "kv_cache_memory": memory,
-        "block_size": args.block_size,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "enable_prefix_caching": not args.no_prefix_cache,
-        "policy": args.policy,
-        "num_threads": args.num_threads,
-        "seed": args.seed,
-    }
+from tokenmill.engine_args import add_engine_args, engine_kwargs
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:

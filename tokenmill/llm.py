@@ -13,7 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import build_engine_config
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.processor import InputProcessor
@@ -25,29 +25,6 @@ logger = logging.getLogger(__name__)
 
 PromptInput = str | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
-
-
-def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
-    """Sort keyword arguments into the engine's config sections; unknown names raise ValueError."""
-    sections: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-    values: dict[str, dict[str, Any]] = {name: {} for name in sections}
-    engine_kwargs: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        for section, cls in sections.items():
-            if key in cls.__dataclass_fields__:
-                values[section][key] = value
-                break
-        else:
-            if key in EngineConfig.__dataclass_fields__ and key not in sections:
-                engine_kwargs[key] = value
-            else:
-                raise ValueError(f"unknown engine argument {key!r}")
-    return EngineConfig(
-        model=ModelConfig(model=model, **values["model"]),
-        cache=CacheConfig(**values["cache"]),
-        scheduler=SchedulerConfig(**values["scheduler"]),
-        **engine_kwargs,
-    )
 
 
 class LLM:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+
 
 class VocabEmbedding(nn.Module):
     """Embedding table ``[vocab_size, hidden_size]``.
@@ -36,7 +38,16 @@ class LMHead(nn.Module):
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Keep a CPU-packed copy of the projection (see layers/cpu_gemm.py); redo after weight changes."""
+        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        self.packed_weight = pack_weight(weight.data) if packing_available(weight) else None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
+            return packed_linear(hidden, self.packed_weight, None).float()  # [num_rows, vocab_size]
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         return F.linear(hidden, weight).float()  # [num_rows, vocab_size]
 

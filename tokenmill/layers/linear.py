@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+
 
 def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     if tp_size == 1:
@@ -24,7 +26,11 @@ def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 
 
 class LinearBase(nn.Module):
-    """A weight ``[out_features, in_features]`` and optional bias; ``forward`` is ``x @ W.T + b``."""
+    """A weight ``[out_features, in_features]`` and optional bias; ``forward`` is ``x @ W.T + b``.
+
+    After loading, ``prepare_for_inference`` may keep a CPU-packed copy of the weight (bfloat16 on
+    oneDNN builds); it must be called again whenever the weight changes.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -34,9 +40,18 @@ class LinearBase(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0]:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -84,8 +99,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return self._matmul(x, self.bias)
+        out = self._matmul(x, None)
         torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

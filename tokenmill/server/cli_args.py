@@ -16,21 +16,13 @@ import sys
 
 import uvicorn
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tokenmill.core.policy import POLICIES
+from tokenmill.config import EngineConfig, build_engine_config
+from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.loader import resolve_model
 from tokenmill.server.app import build_app
 from tokenmill.server.context import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def _memory(value: str) -> int | float:
-    """``0.3`` is a fraction of available memory; ``2000000000`` is bytes."""
-    number = float(value)
-    if number.is_integer() and number > 1:
-        return int(number)
-    return number
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -69,59 +61,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGINT/SIGTERM"
     )
-    model = parser.add_argument_group("model")
-    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    model.add_argument(
-        "--max-model-len", type=int, default=None, help="context window (default: the model's)"
-    )
-    model.add_argument("--seed", type=int, default=0)
-    model.add_argument("--device", default="cpu")
-    model.add_argument(
-        "--num-threads", type=int, default=None, help="torch CPU threads in the engine process"
-    )
-    cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--block-size", type=int, default=16)
-    cache.add_argument(
-        "--kv-cache-memory", type=_memory, default=0.25, help="fraction of available memory (<= 1) or bytes"
-    )
-    cache.add_argument(
-        "--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)"
-    )
-    cache.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    scheduler = parser.add_argument_group("scheduler")
-    scheduler.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    scheduler.add_argument("--max-num-seqs", type=int, default=128, help="most sequences running at once")
-    scheduler.add_argument("--policy", default="fcfs", choices=sorted(POLICIES), help="waiting-queue order")
-    scheduler.add_argument(
-        "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
-    )
+    add_engine_args(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = args.served_model_name or [args.model]
-    return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            device=args.device,
-            served_model_name=names[0],
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_cache,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            policy=args.policy,
-            max_waiting=args.max_waiting,
-        ),
-        num_threads=args.num_threads,
-    )
+    return build_engine_config(args.model, served_model_name=names[0], **engine_kwargs(args))
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:

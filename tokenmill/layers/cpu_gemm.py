@@ -1,0 +1,39 @@
+"""Pre-packed bfloat16 matrix multiplication on CPUs (oneDNN), for decode-sized batches.
+
+``F.linear`` re-reads the weight in its plain layout on every call. oneDNN can reorder a weight once
+into the blocked layout its AMX / AVX-512 kernels consume; on a 2-core Xeon that makes the 64-256
+row products of a decode step about 1.3-2x faster. Results differ from ``F.linear`` only by float
+rounding order, so the packed path is used for bfloat16 only: float32 keeps ``F.linear`` and stays
+bit-comparable with transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The batch size oneDNN tunes the packed layout for: a typical decode step.
+_PACK_BATCH_HINT = 128
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can use the packed path: a bfloat16 CPU tensor and a oneDNN build of torch."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight ``[out_features, in_features]`` reordered for :func:`packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with a weight from :func:`pack_weight`; ``x`` is ``[rows, in_features]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [rows, out_features]

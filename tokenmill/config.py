@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def env_int(name: str, default: int) -> int:
@@ -19,6 +20,27 @@ def env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError as exc:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from exc
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+
+
+def attention_backend_choice() -> str:
+    """``TOKENMILL_ATTENTION_BACKEND``: ``auto`` (the default) lets each device pick its fastest
+    attention backend; ``torch`` forces the reference backend, ``cpu`` the C++ CPU kernel."""
+    value = os.environ.get("TOKENMILL_ATTENTION_BACKEND") or "auto"
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"TOKENMILL_ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {value!r}")
+    return value
+
+
+def extension_cache_dir() -> str:
+    """Where compiled C++ kernels are cached: ``$TOKENMILL_CACHE_DIR/extensions``, by default
+    ``$XDG_CACHE_HOME/tokenmill/extensions`` (``~/.cache/tokenmill/extensions``)."""
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
+    )
+    return os.path.join(root, "extensions")
 
 
 @dataclass
@@ -62,7 +84,7 @@ class SchedulerConfig:
     ``max_waiting`` bounds the waiting queue (None: unbounded) so servers can answer 429.
     """
 
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: str = "fcfs"
     max_waiting: int | None = None
@@ -95,3 +117,26 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory in bytes must be >= 1, got {mem}")
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.cache.num_blocks}")
+
+
+def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """Sort keyword arguments into the engine's config sections; unknown names raise ValueError."""
+    sections: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    values: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    engine_kwargs: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        for section, cls in sections.items():
+            if key in cls.__dataclass_fields__:
+                values[section][key] = value
+                break
+        else:
+            if key in EngineConfig.__dataclass_fields__ and key not in sections:
+                engine_kwargs[key] = value
+            else:
+                raise ValueError(f"unknown engine argument {key!r}")
+    return EngineConfig(
+        model=ModelConfig(model=model, **values["model"]),
+        cache=CacheConfig(**values["cache"]),
+        scheduler=SchedulerConfig(**values["scheduler"]),
+        **engine_kwargs,
+    )

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+from tokenmill.layers.attention import select_attention_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -94,7 +94,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary = rotary  # shared by every layer
-        self.attn = TorchPagedAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
+        # The model is built under `with torch.device(...)`, so the default device is the target one.
+        backend = select_attention_backend(torch.get_default_device(), dtype)
+        self.attn = backend(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, layer_index: int) -> torch.Tensor:
         num_tokens = hidden.shape[0]

@@ -20,6 +20,10 @@ class AttentionGroup:
     sequence's ``j``-th token; ``mask[s, 0, q, j]`` says whether query ``q`` may attend to key ``j``
     (causal, inside the sequence). ``valid_rows`` lists the real query rows in ``[S * Q]`` order
     and ``valid_index`` their flat positions in the padded ``[S * Q]`` layout.
+
+    For kernels that read the paged cache directly instead of gathering: ``block_tables[s]`` lists
+    the sequence's physical blocks (padded with block 0), ``seq_lens[s]`` its length after this step,
+    and ``sliding_window`` (None: full attention) how many trailing positions a query may see.
     """
 
     query_rows: torch.Tensor  # [S, Q] int64
@@ -28,6 +32,9 @@ class AttentionGroup:
     valid_rows: torch.Tensor  # [num_valid] int64
     valid_index: torch.Tensor  # [num_valid] int64
     num_queries: int  # Q
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int64
+    seq_lens: torch.Tensor | None = None  # [S] int64
+    sliding_window: int | None = None
 
 
 @dataclass

@@ -55,6 +55,10 @@ class ModelRunner:
         self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
         self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
         self.model.eval()
+        for module in self.model.modules():
+            prepare = getattr(module, "prepare_for_inference", None)
+            if prepare is not None:
+                prepare()
         logger.info(
             "model %s (%s, %s) ready in %.1f s",
             source.name,
@@ -239,6 +243,9 @@ class ModelRunner:
             valid_rows=query_rows.reshape(-1)[valid_index].to(device),
             valid_index=valid_index.to(device),
             num_queries=num_queries,
+            block_tables=tables.to(device),
+            seq_lens=(starts + num_new).to(device),
+            sliding_window=self.sliding_window,
         )
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.worker.forward_batch import AttentionMetadata
+from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
 
 
 class TorchPagedAttention:
     """Attention over a paged KV cache.
 
     Contract: ``forward`` first stores this step's ``key``/``value`` at ``metadata.slot_mapping``,
-    then every query attends to its own sequence's cached tokens up to its own position.
+    then every query attends to its own sequence's cached tokens up to its own position. Faster
+    backends subclass this one and replace ``_attend_group`` for the groups they handle.
     """
 
     name = "torch"
@@ -43,29 +44,37 @@ class TorchPagedAttention:
 
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         for group in metadata.groups:
-            num_seqs, num_queries = group.query_rows.shape
-            num_keys = group.kv_slots.shape[1]
-            # index_select on a flat index is several times faster than advanced indexing on CPU.
-            q = query.index_select(0, group.query_rows.view(-1))  # [S*Q, num_heads, head_dim]
-            q = q.view(num_seqs, num_queries, self.num_heads, self.head_dim).transpose(1, 2)  # [S, H, Q, D]
-            flat_slots = group.kv_slots.view(-1)  # [S*K]
-            k = key_cache.index_select(0, flat_slots).view(
-                num_seqs, num_keys, self.num_kv_heads, self.head_dim
-            )
-            v = value_cache.index_select(0, flat_slots).view(
-                num_seqs, num_keys, self.num_kv_heads, self.head_dim
-            )
-            attended = F.scaled_dot_product_attention(
-                q,
-                k.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
-                v.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
-                attn_mask=group.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )  # [S, num_heads, Q, head_dim]
-            attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # [S*Q, H, D]
-            if num_queries == 1:
-                out.index_copy_(0, group.valid_rows, attended)
-            else:
-                out.index_copy_(0, group.valid_rows, attended.index_select(0, group.valid_index))
+            self._attend_group(query, kv_cache, group, out)
         return out
+
+    def _attend_group(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], this group's rows written here
+    ) -> None:
+        """Gather the group's K/V into a padded batch and attend under its mask."""
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        num_seqs, num_queries = group.query_rows.shape
+        num_keys = group.kv_slots.shape[1]
+        # index_select on a flat index is several times faster than advanced indexing on CPU.
+        q = query.index_select(0, group.query_rows.view(-1))  # [S*Q, num_heads, head_dim]
+        q = q.view(num_seqs, num_queries, self.num_heads, self.head_dim).transpose(1, 2)  # [S, H, Q, D]
+        flat_slots = group.kv_slots.view(-1)  # [S*K]
+        k = key_cache.index_select(0, flat_slots).view(num_seqs, num_keys, self.num_kv_heads, self.head_dim)
+        v = value_cache.index_select(0, flat_slots).view(num_seqs, num_keys, self.num_kv_heads, self.head_dim)
+        attended = F.scaled_dot_product_attention(
+            q,
+            k.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
+            v.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
+            attn_mask=group.mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [S, num_heads, Q, head_dim]
+        attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # [S*Q, H, D]
+        if num_queries == 1:
+            out.index_copy_(0, group.valid_rows, attended)
+        else:
+            out.index_copy_(0, group.valid_rows, attended.index_select(0, group.valid_index))

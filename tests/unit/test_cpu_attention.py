@@ -1,0 +1,256 @@
+"""The CPU paged-attention backend (C++ decode kernel) against the torch reference backend.
+
+Caches are random, block tables are scattered over the pool, and the attention metadata comes from
+the model runner's own ``_build_group``, so what is tested is what the engine feeds the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import attention
+from tokenmill.layers.attention import cpu_kernel, select_attention_backend
+from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
+from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+from tokenmill.worker.forward_batch import AttentionMetadata
+from tokenmill.worker.model_runner import ModelRunner
+
+# Around block boundaries (16), a single token, and one long sequence. With the tests' one thread, the
+# kernel gives 7 sequences a task each, and splits 2 sequences into one task per KV head.
+SEQ_LENS = [1, 15, 16, 17, 31, 33, 337]
+FEW_SEQ_LENS = [17, 337]
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_builds() -> None:
+    """On this project's machines the kernel must build: a failure here is a failure, not a skip."""
+    assert cpu_kernel.load_error() is None
+
+
+@pytest.fixture(autouse=True)
+def fresh_selection() -> Iterator[None]:
+    attention._select.cache_clear()
+    yield
+    attention._select.cache_clear()
+
+
+def build_step(
+    seq_lens: list[int],
+    prompt_chunks: tuple[tuple[int, int], ...],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    window: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One step: a decode token for each ``seq_lens`` entry (its last position) and, for each
+    ``(start, length)`` in ``prompt_chunks``, a prompt chunk; every sequence's blocks are scattered."""
+    generator = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    spans = [(n - 1, 1) for n in seq_lens] + list(prompt_chunks)  # (start position, new tokens)
+    blocks_needed = [-(-(start + n) // block_size) for start, n in spans]
+    num_blocks = sum(blocks_needed) + 7
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    entries, offsets, slots = [], [], []
+    for (start, n), needed in zip(spans, blocks_needed):
+        table = [pool.pop() for _ in range(needed)]
+        offsets.append(sum(len(e.token_ids) for e in entries))
+        entries.append(SimpleNamespace(token_ids=[0] * n, start_position=start, block_table=table))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), sliding_window=window)
+    decode = [i for i, (_, n) in enumerate(spans) if n == 1]
+    prefill = [i for i, (_, n) in enumerate(spans) if n > 1]
+    groups = [ModelRunner._build_group(runner, entries, offsets, idx) for idx in (decode, prefill) if idx]  # type: ignore[arg-type]
+    metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
+
+    num_tokens = len(slots)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(shape, generator=generator).to(dtype)  # [2, num_blocks, bs, kv_heads, head_dim]
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    return query, key, value, kv_cache, metadata
+
+
+def run_both(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    prompt_chunks: tuple[tuple[int, int], ...] = (),
+    block_size: int = 16,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(reference output, kernel output, reference cache after, kernel cache after)."""
+    query, key, value, kv_cache, metadata = build_step(
+        seq_lens,
+        prompt_chunks,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_size=block_size,
+        window=window,
+    )
+    scale = head_dim**-0.5
+    ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
+    expected = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale).forward(
+        query, key, value, ref_cache, metadata
+    )
+    actual = CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale).forward(
+        query, key, value, cpu_cache, metadata
+    )
+    return expected, actual, ref_cache, cpu_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("seq_lens", [SEQ_LENS, FEW_SEQ_LENS], ids=["many", "few"])
+def test_decode_matches_reference(
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    seq_lens: list[int],
+) -> None:
+    expected, actual, ref_cache, cpu_cache = run_both(
+        num_heads, num_kv_heads, head_dim, dtype, seq_lens, window=window
+    )
+    assert actual.dtype == dtype
+    assert torch.equal(ref_cache, cpu_cache)  # the step's K/V were written exactly as the reference does
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_odd_head_dim_small_blocks_and_mixed_prompt_chunks(dtype: torch.dtype) -> None:
+    """head_dim 24 (not a multiple of the 16-lane vectors), block_size 4 as the engine tests use,
+    and prompt chunks in the same step (they take the reference path; their rows must be untouched)."""
+    expected, actual, _, _ = run_both(
+        4, 2, 24, dtype, seq_lens=[1, 3, 4, 5, 22], prompt_chunks=((0, 6), (9, 3)), block_size=4, window=7
+    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_window_covers_only_the_last_positions() -> None:
+    """Changing a key outside the window changes nothing; changing one inside it does."""
+    query, key, value, kv_cache, metadata = build_step(
+        [50], (), num_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, window=10
+    )
+    backend = CpuPagedAttention(2, 1, 16, 0.25)
+    group = metadata.groups[0]
+    assert group.block_tables is not None
+    table = group.block_tables[0].tolist()
+    base = backend.forward(query, key, value, kv_cache.clone(), metadata)
+    for position, changes in ((39, False), (40, True)):
+        cache = kv_cache.clone()
+        cache[0, table[position // 16], position % 16] += 5.0
+        changed = backend.forward(query, key, value, cache, metadata)
+        assert (not torch.equal(changed, base)) is changes, position
+
+
+def test_output_is_bitwise_independent_of_batch_threads_and_index_dtype() -> None:
+    """A sequence's output is the same bits whatever else is in the batch (28 sequences run one task
+    per sequence, 2 sequences one task per KV head), however many threads run it, and with int32 or
+    int64 block tables: each head's sum runs in one fixed order (DESIGN.md section 6, batch invariance)."""
+    query, _, _, kv_cache, metadata = build_step(
+        SEQ_LENS * 4, (), num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16
+    )
+    group = metadata.groups[0]
+    tables, lens = group.block_tables, group.seq_lens
+    assert tables is not None and lens is not None
+
+    def call(rows: slice, index_dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return cpu_kernel.paged_attention_decode(
+            query[rows],
+            kv_cache[0],
+            kv_cache[1],
+            tables[rows].to(index_dtype),
+            lens[rows].to(index_dtype),
+            0.125,
+        )
+
+    everything = call(slice(None))
+    assert torch.equal(call(slice(5, 7)), everything[5:7])
+    assert torch.equal(call(slice(None), torch.int32), everything)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(call(slice(None)), everything)
+        assert torch.equal(call(slice(5, 7)), everything[5:7])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_kernel_rejects_bad_inputs() -> None:
+    query = torch.randn(2, 4, 16)
+    cache = torch.randn(3, 4, 2, 16)
+    tables = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_kernel.paged_attention_decode(query, cache, cache, tables, torch.tensor([3, 5]), 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernel.paged_attention_decode(query, cache.bfloat16(), cache, tables, torch.tensor([3, 4]), 1.0)
+
+
+# ---------------------------------------------------------------- backend selection
+
+
+def test_selection_defaults_to_the_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENMILL_ATTENTION_BACKEND", raising=False)
+    assert select_attention_backend(torch.device("cpu"), torch.bfloat16) is CpuPagedAttention
+    assert select_attention_backend(torch.device("cuda"), torch.bfloat16) is TorchPagedAttention
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "torch")
+    assert select_attention_backend(torch.device("cpu"), torch.bfloat16) is TorchPagedAttention
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="TOKENMILL_ATTENTION_BACKEND"):
+        select_attention_backend(torch.device("cpu"), torch.bfloat16)
+
+
+def test_a_kernel_that_cannot_build_is_announced(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernel, "load_error", lambda: "CalledProcessError: no compiler")
+    monkeypatch.delenv("TOKENMILL_ATTENTION_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert select_attention_backend(torch.device("cpu"), torch.float32) is TorchPagedAttention
+    assert "no compiler" in caplog.text and "falling back" in caplog.text
+    attention._select.cache_clear()
+    monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "cpu")
+    with pytest.raises(RuntimeError, match="no compiler"):
+        select_attention_backend(torch.device("cpu"), torch.float32)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_llm_greedy_tokens_are_the_same_with_both_backends(tiny_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model = tiny_model("llama")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 160) for _ in range(n)] for n in (2, 7, 13, 26)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for backend, cls in (("torch", TorchPagedAttention), ("cpu", CpuPagedAttention)):
+        monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", backend)
+        attention._select.cache_clear()
+        llm = LLM(model.path, dtype="float32", block_size=4, num_blocks=64)
+        layer = llm.engine.executor.runner.model.layers[0]
+        assert type(layer.self_attn.attn) is cls
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["cpu"] == tokens["torch"]
+    assert tokens["cpu"] == [model.greedy(p, 20) for p in prompts]

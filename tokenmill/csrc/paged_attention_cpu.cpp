@@ -1,0 +1,460 @@
+// Decode-time paged attention on CPU: one new query token per sequence, keys and values read straight
+// from the paged KV cache through the block table (no gather copy).
+//
+// Contract (tokenmill::paged_attention_decode):
+//   query        [S, num_heads, head_dim]                       float32 / bfloat16 / float16
+//   key_cache    [num_blocks, block_size, kv_heads, head_dim]   same dtype as query
+//   value_cache  [num_blocks, block_size, kv_heads, head_dim]   same dtype as query
+//   block_tables [S, max_blocks] int32 or int64: the physical block of each logical block; every
+//                entry a sequence reaches must be a valid block id
+//   seq_lens     [S] int32 or int64: tokens in the cache for the sequence, the new one included
+//   window       > 0: attend only to the last `window` positions; <= 0: no window
+//   returns      [S, num_heads, head_dim] in the query dtype:
+//                softmax(q . K^T * scale) . V over positions [max(0, seq_len - window), seq_len)
+//   Query head h reads KV head h / (num_heads / kv_heads). A sequence with nothing to attend to gets
+//   zeros. Accumulation is float32, with a streaming (online) softmax over chunks of 64 positions.
+//
+// All query heads of a KV head are computed together, so every K/V row is loaded from memory once.
+// OpenMP tasks are whole sequences when there are enough of them, else (sequence, KV head) pairs.
+// Each head's sums run in one fixed order, so results do not depend on the batch or the thread count.
+// Common head sizes (64, 128) get code specialised at compile time (no tail masks, fully unrolled);
+// the others run the same code with run-time sizes.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vec16.h"
+
+namespace tokenmill {
+namespace {
+
+using namespace vec;
+
+constexpr int64_t kMaxHeadDim = 256;
+// Query heads kept in registers at once; a KV head with more query heads is done in several tiles,
+// which re-read the chunk's K/V rows from L1 rather than from memory.
+constexpr int kHeadTile = 4;
+// Head-dim chunks of 16 lanes whose accumulators stay in registers together (4 x 4 heads = 16 zmm).
+constexpr int kSpan = 4;
+// Positions per online-softmax step: the max/exp/rescale bookkeeping is paid once per this many.
+constexpr int kChunkTokens = 64;
+
+// Everything the tasks share, read once per call.
+template <typename scalar_t>
+struct Problem {
+  const scalar_t* query;
+  const scalar_t* key_cache;
+  const scalar_t* value_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  scalar_t* out;
+  int64_t q_stride_seq, q_stride_head;
+  int64_t k_stride_block, k_stride_slot, k_stride_head;
+  int64_t v_stride_block, v_stride_slot, v_stride_head;
+  int64_t table_stride;
+  int64_t num_heads, kv_heads, head_dim, block_size, window;
+  int64_t chunks;      // head_dim in 16-lane chunks, rounded up
+  int64_t padded_dim;  // chunks * 16
+  float scale;
+};
+
+// Head-dim geometry: kChunks > 0 fixes head_dim = 16 * kChunks at compile time; 0 reads it at run time.
+template <int kChunks, typename scalar_t>
+inline int64_t num_chunks(const Problem<scalar_t>& p) {
+  return kChunks > 0 ? kChunks : p.chunks;
+}
+template <int kChunks, typename scalar_t>
+inline int lanes_of(const Problem<scalar_t>& p, int64_t chunk) {
+  return kChunks > 0 ? kLanes : static_cast<int>(std::min<int64_t>(kLanes, p.head_dim - chunk * kLanes));
+}
+
+// Per-thread scratch. Row pointers are double-buffered: the next chunk's rows are prefetched while
+// the current chunk is computed.
+struct Scratch {
+  std::vector<float> q;                   // [num_heads, padded_dim] queries as float32, zero padded
+  std::vector<float> acc;                 // [num_heads, padded_dim] unnormalised outputs
+  std::vector<float> row_max, row_sum;    // [num_heads] running softmax max and denominator
+  float dots[kHeadTile][kLanes][kLanes];  // per head, per token of a 16-token group: partial dots
+  float scores[kHeadTile][kChunkTokens];  // scores, then probabilities, of the current chunk
+  const void* k_rows[2][kChunkTokens];    // KV head 0's K row of each position of a chunk
+  const void* v_rows[2][kChunkTokens];
+  const c10::BFloat16* q_bf16 = nullptr;  // the sequence's queries, when they are bfloat16
+};
+
+// KV head 0's rows of positions [pos, pos + n) of the sequence with block table `table`.
+template <typename scalar_t>
+void find_rows(const Problem<scalar_t>& p, const int64_t* table, int64_t pos, int64_t n, const void** k_rows,
+               const void** v_rows) {
+  int64_t block = pos / p.block_size, slot = pos % p.block_size;  // one division per chunk, not per row
+  const scalar_t* k = p.key_cache + table[block] * p.k_stride_block;
+  const scalar_t* v = p.value_cache + table[block] * p.v_stride_block;
+  for (int64_t i = 0; i < n; ++i, ++slot) {
+    if (slot == p.block_size) {
+      slot = 0;
+      ++block;
+      k = p.key_cache + table[block] * p.k_stride_block;
+      v = p.value_cache + table[block] * p.v_stride_block;
+    }
+    k_rows[i] = k + slot * p.k_stride_slot;
+    v_rows[i] = v + slot * p.v_stride_slot;
+  }
+}
+
+// The positions attended in one online-softmax step, and those of the next step to prefetch.
+struct Chunk {
+  const void* const* k_rows;  // [n], KV head 0
+  const void* const* v_rows;  // [n]
+  int64_t n;
+  const void* const* next_k_rows;  // [next_n]
+  const void* const* next_v_rows;
+  int64_t next_n;
+  int64_t k_prefetch_from, v_prefetch_from, prefetch_bytes;  // the byte range of a row this item reads
+};
+
+// Asks for row i of the next chunk while row i of this one is computed. Blocks are scattered through
+// the pool, so the hardware prefetcher cannot guess them; spreading the requests over the compute
+// (rather than issuing a burst) keeps the core busy while they are served. Into L2, which can track
+// more outstanding misses than L1.
+inline void prefetch_next(const Chunk& c, int64_t i) {
+  if (i >= c.next_n) return;
+  const char* k = static_cast<const char*>(c.next_k_rows[i]) + c.k_prefetch_from;
+  const char* v = static_cast<const char*>(c.next_v_rows[i]) + c.v_prefetch_from;
+  for (int64_t b = 0; b < c.prefetch_bytes; b += 64) {
+    __builtin_prefetch(k + b, 0, 1);
+    __builtin_prefetch(v + b, 0, 1);
+  }
+}
+
+// Scaled scores of a 16-token group from its partial dot products (one 16-lane row per token).
+template <int NG, typename scalar_t>
+inline void finish_scores(const Problem<scalar_t>& p, Scratch& s, int64_t offset, int m) {
+  for (int g = 0; g < NG; ++g) {
+    // Rows past m hold stale values; zero them so the reduction never meets NaNs or denormals.
+    for (int i = m; i < kLanes; ++i) store(s.dots[g][i], zero(), kLanes);
+    store(&s.scores[g][offset], mul(reduce_rows(&s.dots[g][0][0]), splat(p.scale)), m);
+  }
+}
+
+template <int NG>
+inline void keep_dots(Scratch& s, const Vec* dot, int i, bool first) {
+  for (int g = 0; g < NG; ++g)
+    store(s.dots[g][i], first ? dot[g] : add(load(s.dots[g][i], kLanes), dot[g]), kLanes);
+}
+
+// Scores of the chunk's positions for query heads [h0, h0 + NG), whose KV head's rows sit `k_off`
+// elements into KV head 0's. The queries of a span of chunks stay in registers while the key rows
+// stream past.
+template <int NG, int kChunks, typename scalar_t>
+void score_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t k_off, int64_t h0,
+                 bool prefetch) {
+  const int64_t n = c.n, chunks = num_chunks<kChunks>(p);
+  for (int64_t tg = 0; tg < n; tg += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - tg));
+    for (int64_t c0 = 0; c0 < chunks; c0 += kSpan) {
+      Vec q[NG][kSpan];
+      for (int g = 0; g < NG; ++g)
+        for (int j = 0; j < kSpan; ++j)
+          if (c0 + j < chunks) q[g][j] = load(&s.q[(h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes);
+      for (int i = 0; i < m; ++i) {
+        if (prefetch && c0 == 0) prefetch_next(c, tg + i);
+        const scalar_t* k = static_cast<const scalar_t*>(c.k_rows[tg + i]) + k_off + c0 * kLanes;
+        Vec dot[NG];
+        for (int g = 0; g < NG; ++g) dot[g] = zero();
+        for (int j = 0; j < kSpan; ++j) {
+          if (c0 + j >= chunks) break;
+          Vec kc = load(k + j * kLanes, lanes_of<kChunks>(p, c0 + j));
+          for (int g = 0; g < NG; ++g) dot[g] = fmadd(q[g][j], kc, dot[g]);
+        }
+        keep_dots<NG>(s, dot, i, c0 == 0);
+      }
+    }
+    finish_scores<NG>(p, s, tg, m);
+  }
+}
+
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
+// bfloat16 keys: VDPBF16PS multiplies 32 bfloat16 pairs straight from the cache rows, accumulating in
+// float32 (a product of two bfloat16 is exact in float32), with no conversion of the keys. The queries
+// are read in bfloat16 from the query tensor.
+inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1u); }
+
+template <int NG, int kChunks>
+void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, int64_t k_off, int64_t h0,
+                 bool prefetch) {
+  constexpr int kPairSpan = 2;  // 2 x 32 = 64 dimensions per pass
+  const int64_t n = c.n, chunks = kChunks > 0 ? kChunks / 2 : (p.head_dim + 31) / 32;
+  const auto lanes = [&](int64_t c) { return kChunks > 0 ? int64_t{32} : p.head_dim - c * 32; };
+  const c10::BFloat16* q_heads = s.q_bf16 + h0 * p.q_stride_head;
+  for (int64_t tg = 0; tg < n; tg += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - tg));
+    for (int64_t c0 = 0; c0 < chunks; c0 += kPairSpan) {
+      __m512i q[NG][kPairSpan];
+      for (int g = 0; g < NG; ++g)
+        for (int j = 0; j < kPairSpan; ++j)
+          if (c0 + j < chunks)
+            q[g][j] = _mm512_maskz_loadu_epi16(mask32(lanes(c0 + j)),
+                                               q_heads + g * p.q_stride_head + (c0 + j) * 32);
+      for (int i = 0; i < m; ++i) {
+        if (prefetch && c0 == 0) prefetch_next(c, tg + i);
+        const c10::BFloat16* k = static_cast<const c10::BFloat16*>(c.k_rows[tg + i]) + k_off + c0 * 32;
+        Vec dot[NG];
+        for (int g = 0; g < NG; ++g) dot[g] = zero();
+        for (int j = 0; j < kPairSpan; ++j) {
+          if (c0 + j >= chunks) break;
+          __m512i kc = _mm512_maskz_loadu_epi16(mask32(lanes(c0 + j)), k + j * 32);
+          for (int g = 0; g < NG; ++g) dot[g].v = _mm512_dpbf16_ps(dot[g].v, (__m512bh)q[g][j], (__m512bh)kc);
+        }
+        keep_dots<NG>(s, dot, i, c0 == 0);
+      }
+    }
+    finish_scores<NG>(p, s, tg, m);
+  }
+}
+#endif
+
+// One chunk for query heads [h0, h0 + NG) of KV head `kv`: scores, the online-softmax rescale, then
+// the probability-weighted sum of the value rows.
+template <int NG, int kChunks, typename scalar_t>
+void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t kv, int64_t h0,
+                  bool prefetch) {
+  const int64_t n = c.n;
+  score_chunk<NG, kChunks>(p, s, c, kv * p.k_stride_head, h0, prefetch);
+
+  float alpha[NG];
+  for (int g = 0; g < NG; ++g) {
+    float* row = s.scores[g];
+    Vec best = splat(kNegInf);
+    for (int64_t i = 0; i < n; i += kLanes)
+      best = max(best, load_or(row + i, static_cast<int>(n - i), kNegInf));
+    const float old_max = s.row_max[h0 + g];
+    const float new_max = std::max(old_max, reduce_max(best));
+    alpha[g] = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+    Vec sum = zero();
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+      // Lanes past n were loaded as 0 and became exp(-max): keep them out of the sum.
+      Vec prob = keep(exp(sub(load(row + i, lanes), splat(new_max))), lanes);
+      store(row + i, prob, lanes);
+      sum = add(sum, prob);
+    }
+    s.row_max[h0 + g] = new_max;
+    s.row_sum[h0 + g] = s.row_sum[h0 + g] * alpha[g] + reduce_add(sum);
+  }
+
+  // Positions outer, a span of chunks inner: NG * kSpan independent accumulators in registers, enough
+  // to hide the FMA latency (one accumulator per chunk would wait on it at every position).
+  const int64_t chunks = num_chunks<kChunks>(p), v_off = kv * p.v_stride_head;
+  for (int64_t c0 = 0; c0 < chunks; c0 += kSpan) {
+    Vec acc[NG][kSpan];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < kSpan; ++j)
+        if (c0 + j < chunks)
+          acc[g][j] = mul(load(&s.acc[(h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes), splat(alpha[g]));
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* v = static_cast<const scalar_t*>(c.v_rows[t]) + v_off + c0 * kLanes;
+      Vec prob[NG];
+      for (int g = 0; g < NG; ++g) prob[g] = splat(s.scores[g][t]);
+      for (int j = 0; j < kSpan; ++j) {
+        if (c0 + j >= chunks) break;
+        Vec vc = load(v + j * kLanes, lanes_of<kChunks>(p, c0 + j));
+        for (int g = 0; g < NG; ++g) acc[g][j] = fmadd(prob[g], vc, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < kSpan; ++j)
+        if (c0 + j < chunks) store(&s.acc[(h0 + g) * p.padded_dim + (c0 + j) * kLanes], acc[g][j], kLanes);
+  }
+}
+
+template <int kChunks, typename scalar_t>
+void attend_tile(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t kv, int64_t h0,
+                 int64_t num_g, bool prefetch) {
+  switch (num_g) {
+    case 1:
+      return attend_chunk<1, kChunks>(p, s, c, kv, h0, prefetch);
+    case 2:
+      return attend_chunk<2, kChunks>(p, s, c, kv, h0, prefetch);
+    case 3:
+      return attend_chunk<3, kChunks>(p, s, c, kv, h0, prefetch);
+    default:
+      return attend_chunk<kHeadTile, kChunks>(p, s, c, kv, h0, prefetch);
+  }
+}
+
+// KV heads [kv0, kv1) of sequence `seq`, with all their query heads. Chunk by chunk, every KV head of
+// the range reads its part of the same cache rows, so a sequence handled whole streams through whole
+// rows rather than a strided slice of each.
+template <int kChunks, typename scalar_t>
+void attend_item(const Problem<scalar_t>& p, Scratch& s, int64_t seq, int64_t kv0, int64_t kv1) {
+  const int64_t group = p.num_heads / p.kv_heads;
+  const int64_t seq_len = p.seq_lens[seq];
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  const int64_t h_begin = kv0 * group, h_end = kv1 * group;
+
+  const scalar_t* q_seq = p.query + seq * p.q_stride_seq;
+  s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(q_seq);
+  for (int64_t h = h_begin; h < h_end; ++h) {
+    float* q = &s.q[h * p.padded_dim];
+    for (int64_t d = 0; d < p.head_dim; ++d) q[d] = static_cast<float>(q_seq[h * p.q_stride_head + d]);
+    std::fill(&s.acc[h * p.padded_dim], &s.acc[(h + 1) * p.padded_dim], 0.0f);
+    s.row_max[h] = kNegInf;
+    s.row_sum[h] = 0.0f;
+  }
+
+  const int64_t* table = p.block_tables + seq * p.table_stride;
+  const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
+  // The bytes of a row the range reads: KV heads [kv0, kv1) (the last one only head_dim long).
+  const int64_t prefetch_bytes = ((kv1 - kv0 - 1) * p.k_stride_head + p.head_dim) * elem;
+  int cur = 0;
+  if (first < seq_len)
+    find_rows(p, table, first, std::min<int64_t>(kChunkTokens, seq_len - first), s.k_rows[cur],
+              s.v_rows[cur]);
+  for (int64_t pos = first; pos < seq_len; pos += kChunkTokens) {
+    const int64_t next = pos + kChunkTokens;
+    const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, seq_len - next));
+    if (next_n > 0) find_rows(p, table, next, next_n, s.k_rows[1 - cur], s.v_rows[1 - cur]);
+    const Chunk chunk{s.k_rows[cur],
+                      s.v_rows[cur],
+                      std::min<int64_t>(kChunkTokens, seq_len - pos),
+                      s.k_rows[1 - cur],
+                      s.v_rows[1 - cur],
+                      next_n,
+                      kv0 * p.k_stride_head * elem,
+                      kv0 * p.v_stride_head * elem,
+                      prefetch_bytes};
+    for (int64_t kv = kv0; kv < kv1; ++kv)
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadTile)
+        attend_tile<kChunks>(p, s, chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),
+                             kv == kv0 && g0 == 0);
+    cur = 1 - cur;
+  }
+
+  for (int64_t h = h_begin; h < h_end; ++h) {
+    const float inv = s.row_sum[h] > 0.0f ? 1.0f / s.row_sum[h] : 0.0f;
+    scalar_t* o = p.out + (seq * p.num_heads + h) * p.head_dim;
+    for (int64_t d = 0; d < p.head_dim; ++d) o[d] = static_cast<scalar_t>(s.acc[h * p.padded_dim + d] * inv);
+  }
+}
+
+template <int kChunks, typename scalar_t>
+void run(const Problem<scalar_t>& p, int64_t num_seqs) {
+  const int threads = std::max(1, at::get_num_threads());  // torch.set_num_threads governs this kernel too
+  // A whole sequence per task when there are enough sequences to share out (whole rows stream from
+  // memory); otherwise one task per (sequence, KV head), so that a few long sequences still use every
+  // thread.
+  const int64_t kv_per_item = num_seqs >= 4 * threads ? p.kv_heads : 1;
+  const int64_t items_per_seq = p.kv_heads / kv_per_item;
+  const int64_t num_items = num_seqs * items_per_seq;
+  const int num_threads = static_cast<int>(std::min<int64_t>(threads, num_items));
+#pragma omp parallel num_threads(num_threads)
+  {
+    Scratch s;
+    s.q.resize(p.num_heads * p.padded_dim);
+    s.acc.resize(p.num_heads * p.padded_dim);
+    s.row_max.resize(p.num_heads);
+    s.row_sum.resize(p.num_heads);
+    // Dynamic: sequence lengths differ, so equal shares of tasks are not equal shares of work.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t seq = item / items_per_seq, kv0 = item % items_per_seq * kv_per_item;
+      attend_item<kChunks>(p, s, seq, kv0, kv0 + kv_per_item);
+    }
+  }
+}
+
+#define TOKENMILL_FLOAT_CASES(...)          \
+  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
+
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3, "query must be [S, num_heads, head_dim]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
+              "key_cache/value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ");
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "paged_attention_decode runs on CPU tensors");
+  TORCH_CHECK(
+      key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+      "query and caches must share a dtype");
+  TORCH_CHECK(at::isIntegralType(block_tables.scalar_type(), false) &&
+                  at::isIntegralType(seq_lens.scalar_type(), false),
+              "block_tables and seq_lens must be integer tensors");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "cache head_dim ", key_cache.size(3), " != query head_dim ",
+              head_dim);
+  TORCH_CHECK(head_dim > 0 && head_dim <= kMaxHeadDim, "head_dim ", head_dim, " not in [1, ", kMaxHeadDim,
+              "]");
+  TORCH_CHECK(kv_heads > 0 && num_heads % kv_heads == 0, "num_heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "block_tables must be [S, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs, "seq_lens must be [S]");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "the head_dim axis must be contiguous");
+  // Tiny tensors: one int64 layout keeps the number of kernel instantiations down.
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  at::Tensor out =
+      at::empty({num_seqs, num_heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  if (num_seqs == 0) return out;
+  TORCH_CHECK(lens.max().item<int64_t>() <= tables.size(1) * key_cache.size(1),
+              "a seq_len exceeds its block table");
+
+  AT_DISPATCH_SWITCH(query.scalar_type(), "paged_attention_decode", TOKENMILL_FLOAT_CASES([&] {
+                       Problem<scalar_t> p{};
+                       p.query = query.data_ptr<scalar_t>();
+                       p.key_cache = key_cache.data_ptr<scalar_t>();
+                       p.value_cache = value_cache.data_ptr<scalar_t>();
+                       p.block_tables = tables.data_ptr<int64_t>();
+                       p.seq_lens = lens.data_ptr<int64_t>();
+                       p.out = out.data_ptr<scalar_t>();
+                       p.q_stride_seq = query.stride(0);
+                       p.q_stride_head = query.stride(1);
+                       p.k_stride_block = key_cache.stride(0);
+                       p.k_stride_slot = key_cache.stride(1);
+                       p.k_stride_head = key_cache.stride(2);
+                       p.v_stride_block = value_cache.stride(0);
+                       p.v_stride_slot = value_cache.stride(1);
+                       p.v_stride_head = value_cache.stride(2);
+                       p.table_stride = tables.stride(0);
+                       p.num_heads = num_heads;
+                       p.kv_heads = kv_heads;
+                       p.head_dim = head_dim;
+                       p.block_size = key_cache.size(1);
+                       p.window = window;
+                       p.chunks = (head_dim + kLanes - 1) / kLanes;
+                       p.padded_dim = p.chunks * kLanes;
+                       p.scale = static_cast<float>(scale);
+                       if (head_dim == 64)
+                         run<4>(p, num_seqs);
+                       else if (head_dim == 128)
+                         run<8>(p, num_seqs);
+                       else
+                         run<0>(p, num_seqs);
+                     }));
+  return out;
+}
+
+}  // namespace
+}  // namespace tokenmill
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def(
+      "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("paged_attention_decode", &tokenmill::paged_attention_decode);
+}

@@ -1,0 +1,176 @@
+// A 16-lane float32 vector type for the CPU kernels: an AVX-512 implementation, and a portable one of
+// plain loops (for machines without AVX-512, or built with -DTOKENMILL_NO_AVX512) that the compiler
+// vectorizes as it can. Kernels are written once against these functions.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(TOKENMILL_NO_AVX512)
+#define TOKENMILL_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace tokenmill {
+namespace vec {
+
+constexpr int kLanes = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#ifdef TOKENMILL_AVX512
+
+struct Vec {
+  __m512 v;
+};
+
+inline __mmask16 lane_mask(int n) { return n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+// Loads the first n (<= 16) elements as float32; the other lanes read nothing and are zero.
+inline Vec load(const float* p, int n) { return {_mm512_maskz_loadu_ps(lane_mask(n), p)}; }
+inline Vec load(const c10::BFloat16* p, int n) {
+  // bfloat16 is the high half of a float32: widen to 32 bits and shift into place.
+  __m256i raw = _mm256_maskz_loadu_epi16(lane_mask(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+inline Vec load(const c10::Half* p, int n) {
+  return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(n), p))};
+}
+// Loads n floats; the other lanes are `fill` (e.g. -inf for a max).
+inline Vec load_or(const float* p, int n, float fill) {
+  return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), lane_mask(n), p)};
+}
+inline void store(float* p, Vec x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x.v); }
+inline Vec splat(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+// Zeroes the lanes from n on.
+inline Vec keep(Vec a, int n) { return {_mm512_maskz_mov_ps(lane_mask(n), a.v)}; }
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+
+// Lane i of the result is the sum of the 16 floats of row i (rows: 16 rows of 16 floats). A
+// transpose-and-add tree: 15 shuffle pairs for 16 sums, against about 8 instructions per
+// horizontal sum done one row at a time.
+inline Vec reduce_rows(const float* rows) {
+  __m512 pairs[8];  // lanes hold partial sums of rows (2i, 2i+1), interleaved
+  for (int i = 0; i < 8; ++i) {
+    __m512 a = _mm512_loadu_ps(rows + 2 * i * kLanes), b = _mm512_loadu_ps(rows + (2 * i + 1) * kLanes);
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  __m512 quads[4];  // each 128-bit block: the sums of rows 4i..4i+3 over that block's columns
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] =
+        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 octs[2];  // blocks: rows 8i..8i+3 (two halves), rows 8i+4..8i+7 (two halves)
+  for (int i = 0; i < 2; ++i) {
+    __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88),
+                        _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD))};
+}
+
+// exp(x) = 2^k * exp(r) with k = round(x / ln 2) and |r| <= ln(2) / 2; a degree-7 Taylor polynomial
+// is accurate to about one float32 ulp there. Inputs below -100 (and -inf) give 0.
+inline Vec exp(Vec x) {
+  __m512 xv = _mm512_max_ps(x.v, _mm512_set1_ps(-100.0f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 split in a part exact in float32 and a remainder, so that x - k ln 2 loses no bits.
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), xv);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return {_mm512_scalef_ps(p, k)};
+}
+
+#else  // portable fallback: plain loops over 16 lanes
+
+struct Vec {
+  float v[kLanes];
+};
+
+template <typename T>
+inline Vec load(const T* p, int n) {
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) out.v[i] = i < n ? static_cast<float>(p[i]) : 0.0f;
+  return out;
+}
+inline Vec load_or(const float* p, int n, float fill) {
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) out.v[i] = i < n ? p[i] : fill;
+  return out;
+}
+inline void store(float* p, Vec x, int n) {
+  for (int i = 0; i < n && i < kLanes; ++i) p[i] = x.v[i];
+}
+inline Vec splat(float x) {
+  Vec out;
+  for (float& lane : out.v) lane = x;
+  return out;
+}
+inline Vec zero() { return splat(0.0f); }
+inline Vec fmadd(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline Vec add(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline Vec sub(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] -= b.v[i];
+  return a;
+}
+inline Vec mul(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec keep(Vec a, int n) {
+  for (int i = n; i < kLanes; ++i) a.v[i] = 0.0f;
+  return a;
+}
+inline Vec max(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
+  return a;
+}
+inline float reduce_add(Vec a) {
+  float sum = 0.0f;
+  for (float lane : a.v) sum += lane;
+  return sum;
+}
+inline float reduce_max(Vec a) {
+  float best = kNegInf;
+  for (float lane : a.v) best = std::max(best, lane);
+  return best;
+}
+inline Vec exp(Vec x) {
+  for (float& lane : x.v) lane = std::exp(lane);
+  return x;
+}
+inline Vec reduce_rows(const float* rows) {
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) out.v[i] = reduce_add(load(rows + i * kLanes, kLanes));
+  return out;
+}
+
+#endif
+
+}  // namespace vec
+}  // namespace tokenmill

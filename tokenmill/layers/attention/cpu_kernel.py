@@ -1,0 +1,135 @@
+"""Builds, caches and loads the C++ CPU paged-attention kernel (``tokenmill/csrc/paged_attention_cpu.cpp``).
+
+The kernel is compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
+(``-march=native``), into ``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the
+sources, the flags, the torch version and the CPU's feature flags, so an edit, a torch upgrade or a
+different CPU gets its own build while every later start loads the cached library in milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import extension_cache_dir
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCE = CSRC / "paged_attention_cpu.cpp"
+HEADERS = [CSRC / "vec16.h"]
+NAME = "tokenmill_paged_attention_cpu"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+MAX_HEAD_DIM = 256
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` compiles for them), or the machine name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def build_directory() -> Path:
+    """The cache folder of the build matching these sources, these flags, this torch and this CPU."""
+    digest = hashlib.sha256()
+    for path in [SOURCE, *HEADERS]:
+        digest.update(path.read_bytes())
+    for part in (" ".join(CFLAGS + LDFLAGS), torch.__version__):
+        digest.update(part.encode())
+    digest.update(_cpu_flags().encode())
+    return Path(extension_cache_dir()) / f"paged_attention_cpu-{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Builds (first time) and loads the kernel; None when ``torch.ops.tokenmill`` has it, else why not.
+
+    Cached: a failed build is reported once per process, not once per layer.
+    """
+    try:
+        from torch.utils import cpp_extension
+
+        folder = build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        built = (folder / f"{NAME}.so").exists()
+        if not built:
+            # A warning so that the one slow start (about 10 s) is explained even with logging unset.
+            logger.warning("compiling the CPU attention kernel (once) into %s ...", folder)
+        start = time.perf_counter()
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+        if not built:
+            logger.info("CPU attention kernel compiled in %.1f s", time.perf_counter() - start)
+        _register_fake()
+    except Exception as exc:  # any failure (no compiler, no ninja, a bad build) means "use the reference"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _register_fake() -> None:
+    """Shape-only implementation so the op can be traced by ``torch.compile``."""
+
+    @torch.library.register_fake("tokenmill::paged_attention_decode")
+    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window):  # type: ignore[no-untyped-def]
+        return query.new_empty(query.shape)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [S, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32/int64
+    seq_lens: torch.Tensor,  # [S] int32/int64, same dtype as block_tables
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending to its cached keys/values, read through its block table.
+
+    Sequence ``s`` attends to positions ``[max(0, seq_lens[s] - window), seq_lens[s])``; query head
+    ``h`` uses KV head ``h // (num_heads // kv_heads)``. Float32 accumulation; returns
+    ``[S, num_heads, head_dim]`` in the query dtype. Builds the kernel on first use; raises
+    ``RuntimeError`` when it cannot.
+    """
+    return _op()(query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0))
+
+
+@functools.cache
+def _op():  # type: ignore[no-untyped-def]
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {error}")
+    return torch.ops.tokenmill.paged_attention_decode
+
+
+def main() -> None:
+    """``python -m tokenmill.layers.attention.cpu_kernel``: build the kernel now (``make install`` does,
+    so the first start does not pay the ~15 s compile). Exits 0 either way: the kernel is optional."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    error = load_error()
+    if error is None:
+        print(f"CPU attention kernel ready in {build_directory()}")
+    else:
+        print(f"CPU attention kernel unavailable, the torch reference backend will be used: {error}")
+
+
+if __name__ == "__main__":
+    main()

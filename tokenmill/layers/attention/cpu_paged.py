@@ -1,0 +1,56 @@
+"""CPU paged attention: decode groups go through the fused C++ kernel, prompt chunks through the reference.
+
+A decode group (one new token per sequence) attends straight from the paged cache through its block
+tables, with no gather copy and no padded mask; prompt groups keep the reference's gather + SDPA,
+where the matmuls are large enough for SDPA to do well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.layers.attention.cpu_kernel import MAX_HEAD_DIM, paged_attention_decode
+from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+from tokenmill.worker.forward_batch import AttentionGroup
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Same contract as ``TorchPagedAttention`` (new K/V written first, then causal attention per
+    sequence); needs the kernel loaded (``cpu_kernel.load_error()`` None) and CPU tensors."""
+
+    name = "cpu"
+
+    def _attend_group(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    ) -> None:
+        if not self._kernel_handles(query, kv_cache, group):
+            super()._attend_group(query, kv_cache, group, out)
+            return
+        assert group.block_tables is not None and group.seq_lens is not None
+        rows = group.valid_rows  # [S]: a decode group has one valid row per sequence
+        attended = paged_attention_decode(
+            query.index_select(0, rows),  # [S, num_heads, head_dim]
+            kv_cache[0],
+            kv_cache[1],
+            group.block_tables,
+            group.seq_lens,
+            self.scale,
+            group.sliding_window,
+        )  # [S, num_heads, head_dim]
+        out.index_copy_(0, rows, attended)
+
+    def _kernel_handles(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> bool:
+        return (
+            group.num_queries == 1
+            and group.block_tables is not None
+            and group.seq_lens is not None
+            and query.dtype == kv_cache.dtype
+            and query.dtype in KERNEL_DTYPES
+            and self.head_dim <= MAX_HEAD_DIM
+        )

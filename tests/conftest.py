@@ -124,6 +124,19 @@ def _build_tokenizer():  # type: ignore[no-untyped-def]
     return tokenizer
 
 
+def save_tiny_model(spec: TinySpec, seed: int, folder: str):  # type: ignore[no-untyped-def]
+    """Build ``spec`` with spread random weights, save it and the tiny tokenizer to ``folder``;
+    returns the transformers model (float32, eval mode), the reference for comparisons."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_build_config(spec), dtype=torch.float32).eval()
+    _randomise(model, seed=seed)
+    model.save_pretrained(folder)
+    _build_tokenizer().save_pretrained(folder)
+    return model
+
+
 @dataclass
 class TinyModel:
     """A saved tiny model folder plus its transformers twin, the reference for every comparison."""

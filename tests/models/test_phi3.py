@@ -5,22 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import UNK, TinySpec, _build_config, _build_tokenizer, _randomise
+from tests.conftest import UNK, TinySpec, save_tiny_model
 from tokenmill import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tiny_phi3(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    import transformers
-
+    folder = str(tmp_path_factory.mktemp("tiny-phi3"))
     spec = TinySpec("phi3", "Phi3Config", {"num_key_value_heads": 2, "tie_word_embeddings": False})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_build_config(spec), dtype=torch.float32).eval()
-    _randomise(model, seed=21)
-    folder = tmp_path_factory.mktemp("tiny-phi3")
-    model.save_pretrained(folder)
-    _build_tokenizer().save_pretrained(folder)
-    return str(folder), model
+    return folder, save_tiny_model(spec, seed=21, folder=folder)
 
 
 def test_phi3_greedy_matches_transformers(tiny_phi3) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import UNK, TinySpec, _build_config, _build_tokenizer, _randomise
+from tests.conftest import UNK, TinySpec, save_tiny_model
 from tokenmill import LLM, SamplingParams
 
 WINDOW = 6
@@ -13,16 +13,9 @@ WINDOW = 6
 
 @pytest.fixture(scope="module")
 def windowed_mistral(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    import transformers
-
+    folder = str(tmp_path_factory.mktemp("tiny-mistral-window"))
     spec = TinySpec("mistral", "MistralConfig", {"num_key_value_heads": 2, "sliding_window": WINDOW})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_build_config(spec), dtype=torch.float32).eval()
-    _randomise(model, seed=11)
-    folder = tmp_path_factory.mktemp("tiny-mistral-window")
-    model.save_pretrained(folder)
-    _build_tokenizer().save_pretrained(folder)
-    return str(folder), model
+    return folder, save_tiny_model(spec, seed=11, folder=folder)
 
 
 def test_window_shorter_than_the_prompt_matches_transformers(windowed_mistral) -> None:  # type: ignore[no-untyped-def]

@@ -197,6 +197,12 @@ def test_output_is_bitwise_independent_of_batch_threads_and_index_dtype() -> Non
         torch.set_num_threads(previous)
 
 
+def test_the_loaded_kernel_is_the_cached_build() -> None:
+    """The cache key still names the folder the loaded library came from (it once changed after the
+    build, because cpp_extension appends to the flag lists it is given)."""
+    assert (cpu_kernel.build_directory() / f"{cpu_kernel.NAME}.so").exists()
+
+
 def test_kernel_rejects_bad_inputs() -> None:
     query = torch.randn(2, 4, 16)
     cache = torch.randn(3, 4, 2, 16)

@@ -25,8 +25,9 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCE = CSRC / "paged_attention_cpu.cpp"
 HEADERS = [CSRC / "vec16.h"]
 NAME = "tokenmill_paged_attention_cpu"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+# Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 MAX_HEAD_DIM = 256
 
 
@@ -46,7 +47,7 @@ def build_directory() -> Path:
     digest = hashlib.sha256()
     for path in [SOURCE, *HEADERS]:
         digest.update(path.read_bytes())
-    for part in (" ".join(CFLAGS + LDFLAGS), torch.__version__):
+    for part in (" ".join((*CFLAGS, *LDFLAGS)), torch.__version__):
         digest.update(part.encode())
     digest.update(_cpu_flags().encode())
     return Path(extension_cache_dir()) / f"paged_attention_cpu-{digest.hexdigest()[:16]}"
@@ -71,8 +72,8 @@ def load_error() -> str | None:
         cpp_extension.load(
             name=NAME,
             sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,
             verbose=False,

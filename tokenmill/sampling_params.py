@@ -14,6 +14,46 @@ _UNSET: Any = object()
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on what a completion may contain; exactly one field is set.
+
+    ``json`` is a JSON schema given as JSON text (a string, so it crosses processes as a string and
+    is cached by its text); ``json_object`` asks for any JSON object; ``regex`` must fullmatch the
+    output; ``choice`` is a closed set of strings; ``grammar`` is an EBNF grammar (GBNF dialect, as
+    xgrammar reads it). The grammar backend compiles it in the engine core; a constraint it cannot
+    compile fails the request with a ValueError naming the problem, never an unconstrained output.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            chosen.append("json_object")
+        if len(chosen) != 1:
+            raise ValueError(
+                "exactly one structured output constraint (json, json_object, regex, choice, grammar) "
+                f"must be set, got {chosen or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint that is set."""
+        if self.json_object:
+            return "json_object"
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        raise AssertionError("unreachable: validated in __post_init__")
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's completions.
 
@@ -44,6 +84,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     # Upper bound on top-N logprobs a request may ask for (OpenAI allows 20).
@@ -59,6 +100,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     @classmethod

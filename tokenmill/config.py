@@ -34,6 +34,15 @@ def attention_backend_choice() -> str:
     return value
 
 
+def fused_cpu_ops_enabled() -> bool:
+    """``TOKENMILL_FUSED_CPU_OPS``: ``1`` (the default) uses the fused C++ norm/rotary/activation ops
+    for bfloat16 on CPU; ``0`` keeps the unfused torch ops (for comparisons and debugging)."""
+    value = os.environ.get("TOKENMILL_FUSED_CPU_OPS") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_FUSED_CPU_OPS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def extension_cache_dir() -> str:
     """Where compiled C++ kernels are cached: ``$TOKENMILL_CACHE_DIR/extensions``, by default
     ``$XDG_CACHE_HOME/tokenmill/extensions`` (``~/.cache/tokenmill/extensions``)."""

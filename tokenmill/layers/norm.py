@@ -18,6 +18,8 @@ from typing import overload
 import torch
 from torch import nn
 
+from tokenmill.layers import fused_cpu
+
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`x / rms(x)` over the last dim, computed and returned in float32."""
@@ -48,7 +50,13 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x` [..., hidden_size]; with `residual` [..., hidden_size], normalise `residual + x`
-        and return `(normed, residual + x)`."""
+        and return `(normed, residual + x)`. On the fused CPU path the residual form reuses the memory
+        of `x` and `residual`; callers pass tensors they no longer need."""
+        if fused_cpu.applies_to(x) and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+            if residual is None:
+                return fused_cpu.rms_norm(x, self.weight, self.eps)
+            if residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1:
+                return fused_cpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = residual + x  # [..., hidden_size]

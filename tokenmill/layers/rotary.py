@@ -23,6 +23,8 @@ import torch
 import transformers
 from torch import nn
 
+from tokenmill.layers import fused_cpu
+
 # transformers' RotaryEmbeddingConfigMixin.default_theta, used when a config names no theta at all.
 _DEFAULT_THETA = 10000.0
 
@@ -122,7 +124,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate `query` [num_tokens, num_heads, head_dim] and `key` [num_tokens, num_kv_heads, head_dim]
         (the flat `[num_tokens, heads * head_dim]` form is accepted too) by `positions` [num_tokens].
 
-        Returns new tensors of the inputs' shapes and dtypes. Positions must be below `max_position`,
+        Returns tensors of the inputs' shapes and dtypes: new ones, except on the fused bfloat16 CPU path,
+        which rotates `query` and `key` in place and returns them. Positions must be below `max_position`,
         except with dynamic scaling, which computes long-sequence frequencies on the fly.
 
         `seq_lens` [num_tokens] is read only by dynamic NTK scaling: `seq_lens[t]` is the total length of
@@ -133,6 +136,11 @@ class RotaryEmbedding(nn.Module):
         does for a padded batch. With dynamic scaling each call syncs with the host once (see
         `DynamicNTKScaling.inv_freq`); the other types never do.
         """
+        if self.dynamic is None and fused_cpu.applies_to(query) and key.dtype == query.dtype:
+            # In place on the fused CPU path: query/key are views into the fused QKV output.
+            return fused_cpu.rotary_embedding(
+                positions, query, key, self.cos_cache, self.sin_cache, self.head_dim
+            )
         cos, sin = self._cos_sin(positions, seq_lens)  # [num_tokens, rotary_dim // 2] f32 each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention import select_attention_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
@@ -121,9 +122,13 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
         self.act = _activation(args.hidden_act)
+        self.hidden_act = args.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [num_tokens, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.hidden_act == "silu" and fused_cpu.applies_to(gate_up):
+            return self.down_proj(fused_cpu.silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)  # [num_tokens, intermediate] each
         return self.down_proj(self.act(gate) * up)
 
 

@@ -1,6 +1,7 @@
-"""Builds, caches and loads the C++ CPU paged-attention kernel (``tokenmill/csrc/paged_attention_cpu.cpp``).
+"""Builds, caches and loads the C++ CPU kernels (``tokenmill/csrc``): paged decode attention, and the
+fused norm / rotary / activation ops that ``tokenmill.layers.fused_cpu`` dispatches to.
 
-The kernel is compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
+The kernels are compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
 (``-march=native``), into ``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the
 sources, the flags, the torch version and the CPU's feature flags, so an edit, a torch upgrade or a
 different CPU gets its own build while every later start loads the cached library in milliseconds.
@@ -22,7 +23,7 @@ from tokenmill.config import extension_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCE = CSRC / "paged_attention_cpu.cpp"
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp"]
 HEADERS = [CSRC / "vec16.h"]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
@@ -45,7 +46,7 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     """The cache folder of the build matching these sources, these flags, this torch and this CPU."""
     digest = hashlib.sha256()
-    for path in [SOURCE, *HEADERS]:
+    for path in [*SOURCES, *HEADERS]:
         digest.update(path.read_bytes())
     for part in (" ".join((*CFLAGS, *LDFLAGS)), torch.__version__):
         digest.update(part.encode())
@@ -67,11 +68,11 @@ def load_error() -> str | None:
         built = (folder / f"{NAME}.so").exists()
         if not built:
             # A warning so that the one slow start (about 10 s) is explained even with logging unset.
-            logger.warning("compiling the CPU attention kernel (once) into %s ...", folder)
+            logger.warning("compiling the CPU kernels (once) into %s ...", folder)
         start = time.perf_counter()
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
@@ -79,7 +80,7 @@ def load_error() -> str | None:
             verbose=False,
         )
         if not built:
-            logger.info("CPU attention kernel compiled in %.1f s", time.perf_counter() - start)
+            logger.info("CPU kernels compiled in %.1f s", time.perf_counter() - start)
         _register_fake()
     except Exception as exc:  # any failure (no compiler, no ninja, a bad build) means "use the reference"
         return f"{type(exc).__name__}: {exc}"
@@ -92,6 +93,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokenmill::paged_attention_decode")
     def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window):  # type: ignore[no-untyped-def]
         return query.new_empty(query.shape)
+
+    @torch.library.register_fake("tokenmill::rms_norm")
+    def _rms(x, weight, eps):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("tokenmill::silu_and_mul")
+    def _silu(x):  # type: ignore[no-untyped-def]
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
 def paged_attention_decode(

@@ -1,0 +1,89 @@
+"""The fused bfloat16 CPU ops reproduce the unfused torch layers bit for bit on these inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import fused_cpu
+from tokenmill.layers.norm import RMSNorm, _rms_normalize
+from tokenmill.layers.rotary import RotaryEmbedding
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_applies_only_to_bfloat16_cpu() -> None:
+    assert fused_cpu.applies_to(torch.zeros(2, dtype=BF16))
+    assert not fused_cpu.applies_to(torch.zeros(2, dtype=torch.float32))
+
+
+def _llama_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * _rms_normalize(x, eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_rms_norm_matches_unfused(rows: int) -> None:
+    x = torch.randn(rows, 576, dtype=BF16) * 3
+    weight = torch.randn(576, dtype=BF16)
+    assert torch.equal(fused_cpu.rms_norm(x, weight, 1e-5), _llama_norm(x, weight, 1e-5))
+
+
+def test_add_rms_norm_is_in_place_and_matches_unfused() -> None:
+    x = torch.randn(9, 576, dtype=BF16)
+    residual = torch.randn(9, 576, dtype=BF16)
+    weight = torch.randn(576, dtype=BF16)
+    summed = residual + x
+    expected = _llama_norm(summed, weight, 1e-6)
+    normed, new_residual = fused_cpu.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    assert torch.equal(new_residual, summed)
+    assert torch.equal(normed, expected)
+
+
+def test_rmsnorm_module_uses_the_same_numbers_on_both_paths() -> None:
+    norm = RMSNorm(64, 1e-6).to(BF16)
+    norm.weight.data.copy_(torch.randn(64))
+    x = torch.randn(5, 64, dtype=BF16)
+    residual = torch.randn(5, 64, dtype=BF16)
+    expected_sum = residual + x
+    normed, new_residual = norm(x.clone(), residual.clone())
+    assert torch.equal(new_residual, expected_sum)
+    assert torch.equal(normed, norm._norm(expected_sum))
+
+
+def test_silu_and_mul_matches_unfused() -> None:
+    gate_up = torch.randn(13, 2 * 1536, dtype=BF16) * 4
+    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    assert torch.equal(fused_cpu.silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_in_place_matches_unfused_on_fused_qkv_views(rotary_dim: int) -> None:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rotary = RotaryEmbedding(64, rotary_dim, inv_freq, 4096)
+    qkv = torch.randn(37, (9 + 3 + 3) * 64, dtype=BF16)  # [tokens, q | k | v]
+    positions = torch.randint(0, 4096, (37,))
+    query = qkv[:, : 9 * 64].view(37, 9, 64)
+    key = qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
+    cos, sin = rotary._cos_sin(positions, None)
+    expected_q, expected_k = rotary._rotate(query, cos, sin), rotary._rotate(key, cos, sin)
+    value_before = qkv[:, 12 * 64 :].clone()
+    got_q, got_k = rotary(positions, query, key)
+    assert got_q.data_ptr() == query.data_ptr()  # rotated in place
+    assert torch.equal(got_q, expected_q)
+    assert torch.equal(got_k, expected_k)
+    assert torch.equal(qkv[:, 12 * 64 :], value_before)
+
+
+def test_rotary_rejects_positions_outside_the_cache() -> None:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    rotary = RotaryEmbedding(8, 8, inv_freq, 16)
+    query = torch.randn(2, 1, 8, dtype=BF16)
+    key = torch.randn(2, 1, 8, dtype=BF16)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        rotary(torch.tensor([3, 16]), query, key)

@@ -1,0 +1,76 @@
+"""Fused bfloat16 CPU ops for the decoder layer (``tokenmill/csrc/fused_ops_cpu.cpp``).
+
+A small model's decode step on a CPU is bound by operator overhead: the norms, rotary embedding and
+MLP activation of one Llama layer cost about 40 ATen calls, the fused ops 4. They are used for
+bfloat16 CPU activations only. Float32 keeps the plain torch path, which is bit-identical to
+transformers (the reference every float32 test compares against); in bfloat16 the fused ops follow
+transformers' rounding steps, so they differ only by float32 summation order inside the RMS.
+
+``TOKENMILL_FUSED_CPU_OPS=0`` turns them off (see ``tokenmill.config.fused_cpu_ops_enabled``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from tokenmill.config import fused_cpu_ops_enabled
+from tokenmill.layers.attention.cpu_kernel import load_error
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _kernels_loaded() -> bool:
+    if not fused_cpu_ops_enabled():
+        logger.info("fused CPU ops disabled by TOKENMILL_FUSED_CPU_OPS=0")
+        return False
+    error = load_error()
+    if error is not None:
+        logger.warning("fused CPU ops unavailable, using unfused torch ops: %s", error)
+        return False
+    return True
+
+
+def applies_to(x: torch.Tensor) -> bool:
+    """Whether the fused ops serve ``x``: a bfloat16 CPU tensor, with the kernels built."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _kernels_loaded()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x)).to(x.dtype)`` over the last dim; ``x`` is ``[..., hidden]``."""
+    rows = x.reshape(-1, x.shape[-1])  # [rows, hidden]
+    return torch.ops.tokenmill.rms_norm(rows, weight, eps).view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)``, computed in place in ``x`` and ``residual``
+    (both ``[rows, hidden]`` with contiguous rows); the caller must not need their old values."""
+    torch.ops.tokenmill.add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] or [num_tokens, num_heads * head_dim]
+    key: torch.Tensor,  # [num_tokens, kv_heads, head_dim] or flat
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
+    sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first ``rotary_dim`` dims of each head ("rotate half" style) in place; returns the
+    inputs. Heads must be contiguous within a token; tokens may be strided (views of a fused QKV)."""
+    num_tokens = positions.shape[0]
+    flat_q = query.view(num_tokens, -1)  # [num_tokens, num_heads * head_dim]
+    flat_k = key.view(num_tokens, -1)  # [num_tokens, kv_heads * head_dim]
+    torch.ops.tokenmill.rotary_embedding(positions, flat_q, flat_k, cos_cache, sin_cache, head_dim)
+    return query, key
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate).to(dtype) * up`` for ``gate_up = [gate | up]`` ``[rows, 2 * size]``."""
+    return torch.ops.tokenmill.silu_and_mul(gate_up)  # [rows, size]

@@ -7,15 +7,25 @@ stands in for wall time wherever deadlines and latency targets need one.
 
 from __future__ import annotations
 
+import argparse
+
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import MAX_MODEL_LEN, FakeRunner, make_request, prompt_of, reference
 
-from tokenmill.config import EngineConfig, SchedulerConfig, TierConfig
+from tokenmill.config import EngineConfig, SchedulerConfig, TierConfig, build_engine_config
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine_args import (
+    add_engine_args,
+    engine_kwargs,
+    parse_tier,
+    parse_tier_slo,
+    parse_user_weight,
+)
 from tokenmill.protocol import FinishReason
 
 
@@ -508,3 +518,44 @@ def test_random_tiered_workloads_keep_every_invariant(workload) -> None:  # type
             assert len(h.outputs[str(k)]) == r["max_tokens"]
         else:
             assert reason == "timeout" and r["deadline"] is not None
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_tier_options_parse_into_the_engine_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        [
+            "--policy", "vtc",
+            "--tier", "priority:max_running=4",
+            "--tier", "default",
+            "--tier", "flex:step_share=0.25,max_waiting=100",
+            "--tier-slo", "priority:ttft=0.5,tpot=0.05",
+            "--user-weight", "key:abc=2",
+        ]
+    )  # fmt: skip
+    config = build_engine_config("m", **engine_kwargs(args))
+    config.validate()
+    # The engine process gets its config as JSON: tiers and weights must survive the trip.
+    decoded = msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig)
+    assert decoded.scheduler.tiers == [
+        TierConfig("priority", max_running=4, ttft_slo=0.5, tpot_slo=0.05),
+        TierConfig("default"),
+        TierConfig("flex", step_share=0.25, max_waiting=100),
+    ]
+    assert decoded.scheduler.user_weights == {"key:abc": 2.0} and decoded.scheduler.policy == "vtc"
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert [t.name for t in defaults["tiers"]] == ["priority", "default", "flex"]
+    for parse, bad, message in [
+        (parse_tier, "flex:seats=3", "unknown key 'seats'"),
+        (parse_tier, "flex:max_running=many", "max_running must be a number"),
+        (parse_tier_slo, "priority:ttft", "expected key=value"),
+        (parse_tier_slo, "priority:p99=1", "unknown target 'p99'"),
+        (parse_user_weight, "alice", "expected USER=WEIGHT"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(bad)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="--tier-slo names tier 'gold'"):
+        engine_kwargs(parser.parse_args(["--tier-slo", "gold:ttft=1"]))

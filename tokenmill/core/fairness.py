@@ -16,6 +16,7 @@ every scheduling class, so a user's service in one tier counts against it in the
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
@@ -125,18 +126,22 @@ class VTCPolicy(WaitingPolicy):
         self.counters.on_dequeue(request.user)
 
     def ordered(self) -> Iterator[Request]:
-        queues = {user: list(queue) for user, queue in self._queues.items()}
-        projected = {user: self.counters.counter(user) for user in queues}
-        order: list[Request] = []
-        while queues:
-            user = min(queues, key=lambda u: (projected[u], self._seq[queues[u][0].request_id]))
-            request = queues[user].pop(0)
-            if not queues[user]:
-                del queues[user]
-            order.append(request)
-            to_compute = max(0, request.num_prompt_tokens - request.num_prompt_charged)
-            projected[user] += self.counters.cost(user, to_compute, 0)
-        return iter(order)
+        # A snapshot (the scheduler removes what it admits while iterating), walked lazily with a
+        # heap of (projected counter, arrival of the user's next request, user): the scheduler
+        # usually stops after a few requests, so the whole order is rarely needed.
+        queues = {user: [(self._seq[r.request_id], r) for r in queue] for user, queue in self._queues.items()}
+        heap = [(self.counters.counter(user), queue[0][0], user) for user, queue in queues.items()]
+        heapq.heapify(heap)
+        position = dict.fromkeys(queues, 0)
+        while heap:
+            projected, _, user = heapq.heappop(heap)
+            _, request = queues[user][position[user]]
+            position[user] += 1
+            yield request
+            if position[user] < len(queues[user]):
+                to_compute = max(0, request.num_prompt_tokens - request.num_prompt_charged)
+                projected += self.counters.cost(user, to_compute, 0)
+                heapq.heappush(heap, (projected, queues[user][position[user]][0], user))
 
     def __len__(self) -> int:
         return self._size

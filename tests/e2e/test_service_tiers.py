@@ -159,16 +159,12 @@ def test_deadlines_end_waiting_and_running_requests_and_free_their_blocks(tier_s
 def test_a_light_user_is_served_ahead_of_a_heavy_users_queued_flood(tier_server: ServerProcess) -> None:
     """The flood comes with the first key, the light user with the second and no ``user`` field:
     API keys identify users. One sequence runs at a time, so requests finish in the order they
-    ran; under VTC the light user's requests run right after the flood request that held the seat
-    when they arrived, ahead of the flood's queued work (FCFS would run them last)."""
-    flood = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    ran. A long flood request holds the seat while three more queue, then the light user's two
+    requests queue; the long one keeps generating (at least 40 more chunks, so the heavy user's
+    counter passes the light user's, which was lifted to it on arrival) and is then aborted. VTC
+    runs the light user's requests next, ahead of the flood's queue (FCFS would run them last)."""
     light_headers = {"Authorization": f"Bearer {SECOND_KEY}"}
-
-    async def drain(http: httpx.AsyncClient, body: dict[str, object]) -> None:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            async for _ in response.aiter_lines():
-                pass
+    short_flood = {"prompt": PROMPT, "max_tokens": 20, "ignore_eos": True}
 
     async def scenario() -> list[str]:
         limits = httpx.Limits(max_connections=16)
@@ -176,20 +172,38 @@ def test_a_light_user_is_served_ahead_of_a_heavy_users_queued_flood(tier_server:
             base_url=tier_server.base_url, headers=tier_server.headers, timeout=60, limits=limits
         ) as http:
             await wait_for_engine(http, "num_running", 0)
-            floods = [asyncio.ensure_future(drain(http, flood))]
-            await wait_for_engine(http, "num_running", 1)
-            floods += [asyncio.ensure_future(drain(http, flood)) for _ in range(3)]
-            await wait_for_engine(http, "num_waiting", 3)
-            light = [
-                http.post(
-                    "/v1/completions",
-                    json={"prompt": words([9, 10, k]), "max_tokens": 2},
-                    headers=light_headers,
-                )
-                for k in (11, 12)
-            ]
+            chunks = [0]
+            async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as long_flood:
+                assert long_flood.status_code == 200
+
+                async def count_chunks() -> None:
+                    async for line in long_flood.aiter_lines():
+                        chunks[0] += line.startswith("data: {")
+
+                counting = asyncio.ensure_future(count_chunks())
+                await wait_for_engine(http, "num_running", 1)
+                floods = [
+                    asyncio.ensure_future(http.post("/v1/completions", json=short_flood)) for _ in range(3)
+                ]
+                await wait_for_engine(http, "num_waiting", 3)
+                light = [
+                    asyncio.ensure_future(
+                        http.post(
+                            "/v1/completions",
+                            json={"prompt": words([9, 10, k]), "max_tokens": 2},
+                            headers=light_headers,
+                        )
+                    )
+                    for k in (11, 12)
+                ]
+                await wait_for_engine(http, "num_waiting", 5)
+                seen = chunks[0]
+                while chunks[0] < seen + 40:
+                    await asyncio.sleep(0.01)
+                counting.cancel()
             answers = await asyncio.gather(*light)
-            await asyncio.gather(*floods)
+            for answer in [*answers, *(await asyncio.gather(*floods))]:
+                assert answer.status_code == 200
         return [answer.json()["id"] for answer in answers]
 
     log_before = len(tier_server.log())
@@ -204,6 +218,6 @@ def test_a_light_user_is_served_ahead_of_a_heavy_users_queued_flood(tier_server:
         r"request (\S+) finished \((\w+)\): .*output_tokens=(\d+) ", tier_server.log()[log_before:]
     )
     order = [
-        ("light" if request_id in light_ids else f"flood-{tokens}") for request_id, _, tokens in finished
+        ("light" if request_id in light_ids else f"flood {reason}") for request_id, reason, _ in finished
     ]
-    assert order == ["flood-200", "light", "light", "flood-200", "flood-200", "flood-200"]
+    assert order == ["flood abort", "light", "light", "flood length", "flood length", "flood length"]

@@ -225,6 +225,8 @@ class Scheduler:
             if admitting and num_preempted == 0:
                 admitting, made_room = self._admit_waiting(key, plan, budget)
                 num_made_room += made_room
+                # What was preempted to make room must not be readmitted (recomputed) in this step.
+                admitting = admitting and made_room == 0
         finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted + num_made_room
         return SchedulerOutput(
@@ -293,13 +295,13 @@ class Scheduler:
             tier = self.tiers.tiers[request.tier]
             if budget.tier_left[request.tier] <= 0 or self._tier_is_full(request.tier):
                 break  # this tier is done for the step; worse classes may still use what is left
+            leader = self._sibling_leader(request)
+            if leader is not None and not self._leader_prompt_ready(leader, request):
+                continue  # wait until the leader has computed the shared prompt blocks
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._make_room_for(key):
                     return False, num_made_room
                 num_made_room += 1
-            leader = self._sibling_leader(request)
-            if leader is not None and not self._leader_prompt_ready(leader, request):
-                continue  # wait until the leader has computed the shared prompt blocks
             if leader is not None:
                 computed = self.kv.share_prefix(leader.request_id, request, request.num_prompt_tokens - 1)
             else:

@@ -401,6 +401,19 @@ def test_queue_bounds_refuse_instead_of_growing() -> None:
     h.run()
 
 
+def test_retry_after_is_the_time_the_recent_finish_rate_needs_to_drain_the_queue() -> None:
+    # One seat and one-token answers: a request finishes every step, and a step takes 0.5 s.
+    h = TierHarness(max_num_seqs=1, seconds_per_step=lambda plan: 0.5)
+    for k in range(12):
+        h.add(f"r{k}", prompt_of(3, k), max_tokens=1)
+    for _ in range(3):
+        h.step()
+    # Finishes at 0.5, 1.0 and 1.5 s: 2 per second; 9 waiting take ceil(9 / 2) = 5 s.
+    assert h.scheduler.num_waiting == 9
+    assert h.scheduler.retry_after() == 5.0
+    h.run()
+
+
 def test_deadline_expiry_ends_running_and_waiting_requests_and_frees_their_blocks() -> None:
     h = TierHarness(num_blocks=16, max_num_seqs=1)
     h.add("runs", prompt_of(8, 1), max_tokens=50, deadline=1.0)

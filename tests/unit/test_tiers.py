@@ -171,7 +171,7 @@ def flood_and_trickle(policy: str, weights: dict[str, float]) -> tuple[float, fl
 
 
 def test_vtc_keeps_two_backlogged_users_within_the_papers_bound() -> None:
-    """Sheng et al. (OSDI 2024), Theorem 4.4: for two clients backlogged over an interval, VTC keeps
+    """Sheng et al. (OSDI 2024), the 2x bound: for two clients backlogged over an interval, VTC keeps
     the difference of their (weighted) service within ``2 * max(w_p * L_input, w_q * M)``, where
     ``L_input`` is the longest prompt and ``M`` the most tokens the running batch can hold (here the
     KV pool). We check it after every step while both users have waiting requests, with weights

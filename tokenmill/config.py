@@ -85,18 +85,82 @@ class CacheConfig:
 
 
 @dataclass
+class TierConfig:
+    """One service tier (a scheduling class OpenAI's ``service_tier`` names).
+
+    ``max_running`` caps its running sequences; ``step_share`` is the fraction of each step's token
+    budget its requests may use together; ``max_waiting`` bounds its waiting queue (over it: 429).
+    ``ttft_slo`` and ``tpot_slo`` (seconds) are optional latency targets: when a request of this
+    tier is about to miss one, lower tiers are held to ``SchedulerConfig.slo_guard_share`` of the step.
+    """
+
+    name: str
+    max_running: int | None = None
+    step_share: float = 1.0
+    max_waiting: int | None = None
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+
+
+def standard_tiers() -> list[TierConfig]:
+    """OpenAI's tiers, best first: ``priority``, ``default`` (also what ``auto`` means), ``flex``."""
+    return [TierConfig("priority"), TierConfig("default"), TierConfig("flex")]
+
+
+@dataclass
 class SchedulerConfig:
-    """Batching limits and the waiting-queue policy.
+    """Batching limits, the waiting-queue policy, service tiers and fairness.
 
     ``max_num_batched_tokens`` is the per-step token budget (chunked prefill splits prompts to fit);
-    ``max_num_seqs`` caps running sequences; ``policy`` names the waiting-queue order.
-    ``max_waiting`` bounds the waiting queue (None: unbounded) so servers can answer 429.
+    ``max_num_seqs`` caps running sequences; ``policy`` names the order inside a scheduling class
+    (``fcfs``, ``lpm`` or ``vtc``). ``max_waiting`` bounds the whole waiting queue (None: unbounded)
+    so servers can answer 429. ``tiers`` lists the service tiers best first; ``default`` must be
+    one of them. ``vtc`` charges each user ``fair_input_weight`` per prompt token computed and
+    ``fair_output_weight`` per generated token, divided by the user's weight in ``user_weights``
+    (1 when absent). ``slo_margin`` is the fraction of a latency target at which a tier counts as
+    about to miss it.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: str = "fcfs"
     max_waiting: int | None = None
+    tiers: list[TierConfig] = field(default_factory=standard_tiers)
+    user_weights: dict[str, float] = field(default_factory=dict)
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    slo_guard_share: float = 0.25
+    slo_margin: float = 0.8
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for tier and fairness settings that cannot work."""
+        names = [tier.name for tier in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"service tier names must be unique, got {names}")
+        if "default" not in names:
+            raise ValueError(f"the service tiers must include 'default' (what 'auto' means), got {names}")
+        if "auto" in names:
+            raise ValueError("'auto' is not a tier of its own: it means 'default'")
+        for tier in self.tiers:
+            if not 0.0 < tier.step_share <= 1.0:
+                raise ValueError(f"tier {tier.name}: step_share must be in (0, 1], got {tier.step_share}")
+            for name in ("max_running", "max_waiting"):
+                value = getattr(tier, name)
+                if value is not None and value < (1 if name == "max_running" else 0):
+                    raise ValueError(f"tier {tier.name}: {name} must be positive, got {value}")
+            for name in ("ttft_slo", "tpot_slo"):
+                value = getattr(tier, name)
+                if value is not None and value <= 0:
+                    raise ValueError(f"tier {tier.name}: {name} must be > 0 seconds, got {value}")
+        for user, weight in self.user_weights.items():
+            if weight <= 0:
+                raise ValueError(f"user weight for {user!r} must be > 0, got {weight}")
+        if self.fair_input_weight < 0 or self.fair_output_weight < 0:
+            raise ValueError("fair_input_weight and fair_output_weight must be >= 0")
+        if not 0.0 < self.slo_guard_share <= 1.0:
+            raise ValueError(f"slo_guard_share must be in (0, 1], got {self.slo_guard_share}")
+        if not 0.0 < self.slo_margin <= 1.0:
+            raise ValueError(f"slo_margin must be in (0, 1], got {self.slo_margin}")
 
 
 @dataclass
@@ -119,6 +183,7 @@ class EngineConfig:
             )
         if self.scheduler.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.scheduler.max_num_seqs}")
+        self.scheduler.validate()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")

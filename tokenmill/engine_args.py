@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig, TierConfig, standard_tiers
 from tokenmill.core.policy import POLICIES
 
 
@@ -18,6 +18,81 @@ def _memory(value: str) -> int | float:
     if number.is_integer() and number > 1:
         return int(number)
     return number
+
+
+_TIER_KEYS = {"max_running": int, "step_share": float, "max_waiting": int}
+_SLO_KEYS = {"ttft": "ttft_slo", "tpot": "tpot_slo"}
+
+
+def _key_values(text: str, option: str) -> tuple[str, dict[str, str]]:
+    """``name:key=value,key=value`` → ``(name, {key: value})``; ArgumentTypeError when malformed."""
+    name, _, rest = text.partition(":")
+    values: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise argparse.ArgumentTypeError(f"{option}: expected key=value, got {item!r} in {text!r}")
+        values[key.strip()] = value.strip()
+    if not name:
+        raise argparse.ArgumentTypeError(f"{option}: a tier name is required, got {text!r}")
+    return name, values
+
+
+def parse_tier(text: str) -> TierConfig:
+    """``--tier flex:max_running=4,step_share=0.25,max_waiting=100`` → a ``TierConfig``."""
+    name, values = _key_values(text, "--tier")
+    fields: dict[str, int | float] = {}
+    for key, value in values.items():
+        if key not in _TIER_KEYS:
+            raise argparse.ArgumentTypeError(f"--tier: unknown key {key!r}; use {', '.join(_TIER_KEYS)}")
+        try:
+            fields[key] = _TIER_KEYS[key](value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tier: {key} must be a number, got {value!r}") from None
+    return TierConfig(name, **fields)  # type: ignore[arg-type]
+
+
+def parse_tier_slo(text: str) -> tuple[str, dict[str, float]]:
+    """``--tier-slo priority:ttft=0.5,tpot=0.05`` (seconds) → ``("priority", {"ttft_slo": 0.5, ...})``."""
+    name, values = _key_values(text, "--tier-slo")
+    targets: dict[str, float] = {}
+    for key, value in values.items():
+        if key not in _SLO_KEYS:
+            raise argparse.ArgumentTypeError(f"--tier-slo: unknown target {key!r}; use ttft or tpot")
+        try:
+            targets[_SLO_KEYS[key]] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tier-slo: {key} must be seconds, got {value!r}") from None
+    if not targets:
+        raise argparse.ArgumentTypeError(f"--tier-slo: give ttft=SECONDS and/or tpot=SECONDS, got {text!r}")
+    return name, targets
+
+
+def parse_user_weight(text: str) -> tuple[str, float]:
+    """``--user-weight alice=2`` → ``("alice", 2.0)``."""
+    user, sep, value = text.rpartition("=")
+    try:
+        if not sep or not user:
+            raise ValueError
+        return user, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--user-weight: expected USER=WEIGHT, got {text!r}") from None
+
+
+def build_tiers(
+    tiers: list[TierConfig] | None, slos: list[tuple[str, dict[str, float]]] | None
+) -> list[TierConfig]:
+    """The tier list: ``--tier`` options (or the standard tiers) with ``--tier-slo`` targets applied."""
+    result = list(tiers) if tiers else standard_tiers()
+    by_name = {tier.name: tier for tier in result}
+    for name, targets in slos or []:
+        if name not in by_name:
+            raise ValueError(
+                f"--tier-slo names tier {name!r}, which is not configured ({', '.join(by_name)})"
+            )
+        for field_name, seconds in targets.items():
+            setattr(by_name[name], field_name, seconds)
+    return result
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -63,10 +138,56 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     scheduler.add_argument(
         "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
     )
+    tiers = parser.add_argument_group("service tiers and fairness")
+    tiers.add_argument(
+        "--tier",
+        action="append",
+        type=parse_tier,
+        default=None,
+        metavar="NAME[:max_running=N,step_share=F,max_waiting=N]",
+        help="a service tier, best first (repeat; must include 'default'; default: priority, default, flex)",
+    )
+    tiers.add_argument(
+        "--tier-slo",
+        action="append",
+        type=parse_tier_slo,
+        default=None,
+        metavar="NAME:ttft=S,tpot=S",
+        help="latency targets of a tier; while it is about to miss them, worse tiers get less of each step",
+    )
+    tiers.add_argument(
+        "--slo-guard-share",
+        type=float,
+        default=SchedulerConfig.slo_guard_share,
+        help="share of a step worse tiers keep while a better tier is at risk of missing its target",
+    )
+    tiers.add_argument(
+        "--user-weight",
+        action="append",
+        type=parse_user_weight,
+        default=None,
+        metavar="USER=WEIGHT",
+        help="fair-share weight of a user under --policy vtc (repeat; others weigh 1)",
+    )
+    tiers.add_argument(
+        "--fair-input-weight",
+        type=float,
+        default=SchedulerConfig.fair_input_weight,
+        help="vtc cost of a prompt token",
+    )
+    tiers.add_argument(
+        "--fair-output-weight",
+        type=float,
+        default=SchedulerConfig.fair_output_weight,
+        help="vtc cost of a generated token",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed engine options as keyword arguments for ``LLM`` / ``build_engine_config``."""
+    """The parsed engine options as keyword arguments for ``LLM`` / ``build_engine_config``.
+
+    Raises ValueError when ``--tier-slo`` names a tier that is not configured.
+    """
     return {
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
@@ -81,4 +202,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,
         "max_waiting": args.max_waiting,
+        "tiers": build_tiers(args.tier, args.tier_slo),
+        "slo_guard_share": args.slo_guard_share,
+        "user_weights": dict(args.user_weight or []),
+        "fair_input_weight": args.fair_input_weight,
+        "fair_output_weight": args.fair_output_weight,
     }

@@ -20,6 +20,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # an engine fault hit this request
+    # The request's deadline (``timeout``) passed. OpenAI has no such reason, so the HTTP API reports
+    # ``finish_reason: "length"`` (the answer was cut short) with ``stop_reason: "timeout"``.
+    TIMEOUT = "timeout"
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
@@ -28,6 +31,10 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     ``eos_token_ids`` end generation unless ``sampling_params.ignore_eos``. ``group_id`` and
     ``sibling_index`` tie the n samples of one user request together so siblings share the
     prompt's KV blocks. ``cache_salt`` keeps requests from sharing cached KV with other salts.
+    ``service_tier`` names the tier that schedules it (``auto`` means ``default``); lower
+    ``priority`` values go first within a tier (vLLM's convention). ``user`` identifies whose fair
+    share it uses. ``deadline`` is an absolute ``time.time()`` after which the request ends with
+    ``FinishReason.TIMEOUT`` wherever it is, its blocks freed.
     """
 
     request_id: str
@@ -39,6 +46,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     group_id: str | None = None
     sibling_index: int = 0
     cache_salt: str | None = None
+    service_tier: str = "default"
+    user: str | None = None
+    deadline: float | None = None
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):
@@ -82,6 +92,9 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     # Running totals since start-up: prompt tokens looked up in the prefix cache and tokens it served.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Per service tier: sequences running and waiting now.
+    num_running_by_tier: dict[str, int] = {}
+    num_waiting_by_tier: dict[str, int] = {}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -140,12 +153,14 @@ class AddResult(msgspec.Struct, tag="added", kw_only=True):
     """Engine → frontend: the answer to one ``AddRequests``.
 
     ``error`` is None when every request was admitted. Otherwise none was, and ``overloaded`` tells a
-    full waiting queue (retry later) from a request that can never run (the client's mistake).
+    full waiting queue (retry later, after about ``retry_after`` seconds) from a request that can
+    never run (the client's mistake).
     """
 
     request_ids: list[str]
     error: str | None = None
     overloaded: bool = False
+    retry_after: float | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", kw_only=True):

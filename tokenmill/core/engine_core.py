@@ -93,6 +93,8 @@ class EngineCore:
             num_preemptions=plan.num_preempted,
             prefix_cache_queried_tokens=self.kv_manager.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_manager.prefix_hit_tokens,
+            num_running_by_tier=self.scheduler.running_by_tier(),
+            num_waiting_by_tier=self.scheduler.waiting.waiting_by_tier(),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -1,15 +1,23 @@
 """Waiting-queue policies: which waiting request the scheduler admits next.
 
 A policy only orders the waiting queue; admission limits, budgets and preemption stay in the
-scheduler. Preempted requests re-enter at the front so they resume before newer work.
+scheduler. Preempted requests re-enter at the front so they resume before newer work. The scheduler
+keeps one policy queue per scheduling class (service tier and priority, ``core/tiers.py``), so each
+policy here orders the requests of one class: ``fcfs``, ``lpm`` (longest cached prefix) or ``vtc``
+(per-user fairness, ``core/fairness.py``). Fairness and prefix locality pull in different
+directions, so ``vtc`` and ``lpm`` are alternatives, not a combination.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from tokenmill.core.request import Request
+
+if TYPE_CHECKING:
+    from tokenmill.core.fairness import VirtualTokenCounters
 
 # Cached-prefix length of a waiting request in tokens, computed without side effects.
 PrefixLengthFn = Callable[[Request], int]
@@ -89,13 +97,24 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
         return iter(resumed + [request for _, request in ranked])
 
 
-POLICIES: dict[str, type[WaitingPolicy]] = {"fcfs": FCFSPolicy, "lpm": LongestPrefixMatchPolicy}
+POLICIES: tuple[str, ...] = ("fcfs", "lpm", "vtc")
 
 
-def make_policy(name: str, prefix_length: PrefixLengthFn | None = None) -> WaitingPolicy:
-    """The policy registered under ``name``; ValueError lists the known ones."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(prefix_length)  # type: ignore[call-arg]
+def make_policy(
+    name: str, prefix_length: PrefixLengthFn | None = None, counters: VirtualTokenCounters | None = None
+) -> WaitingPolicy:
+    """A fresh queue of the policy named ``name``; ValueError lists the known ones.
+
+    ``lpm`` needs ``prefix_length`` (the prefix cache); ``vtc`` needs the shared ``counters``.
+    """
+    if name == "fcfs":
+        return FCFSPolicy()
+    if name == "lpm":
+        return LongestPrefixMatchPolicy(prefix_length)
+    if name == "vtc":
+        from tokenmill.core.fairness import VTCPolicy  # fairness builds on this module
+
+        if counters is None:
+            raise ValueError("the vtc policy needs the users' virtual token counters")
+        return VTCPolicy(counters)
+    raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")

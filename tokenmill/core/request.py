@@ -34,6 +34,18 @@ class Request:
         self.group_id = core_request.group_id
         self.sibling_index = core_request.sibling_index
         self.cache_salt = core_request.cache_salt
+        # Scheduling class and fairness: ``auto`` is resolved to ``default`` by the scheduler.
+        self.tier = core_request.service_tier
+        self.user = core_request.user or ""
+        self.deadline = core_request.deadline
+        # Prompt positions already charged to the user's virtual token counter (not again on recompute).
+        self.num_prompt_charged = 0
+        # Scheduler-clock times of the first and latest sampled token, and the latest gap between two.
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.last_token_interval: float | None = None
+        # Set once a gap came close to the tier's TPOT target: worse tiers stay held back from then on.
+        self.tpot_guarded = False
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

@@ -3,20 +3,28 @@
 Each step the scheduler walks the running requests first, then admits waiting ones, giving each
 ``min(num_tokens - num_computed_tokens, budget left)`` tokens of the per-step token budget. There
 are no prefill and decode phases: a chunked prompt, a resumed preempted request, a prefix-cache hit
-and an ordinary decode all follow from this rule. When blocks run out, the lowest-ranked running
-request (the most recently admitted) is preempted: its blocks are released and it is recomputed
-later. Token ids only; no torch.
+and an ordinary decode all follow from this rule. Requests are grouped into scheduling classes
+(service tier, then priority; ``core/tiers.py``) served best first, each class's running requests
+before its waiting ones. When blocks run out, the lowest-ranked running request (worst class, then
+most recently admitted) is preempted: its blocks are released and it is recomputed later. Requests
+past their deadline end with ``timeout`` at the start of a step. Token ids only; no torch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.fairness import VirtualTokenCounters
 from tokenmill.core.kv.manager import KVCacheManager, cdiv
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.tiers import ClassKey, StepBudget, TieredQueue, TierTable
 from tokenmill.protocol import EngineCoreOutput, FinishReason, PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
 
@@ -79,18 +87,38 @@ class Scheduler:
     Contract: ``add_request`` validates that the request can ever fit (raising ValueError
     otherwise), so preemption can always make progress; ``schedule`` never over-commits KV blocks;
     ``update`` turns model output into ``EngineCoreOutput`` messages and finishes requests;
-    ``abort`` releases a request's blocks at once, wherever it is.
+    ``abort`` releases a request's blocks at once, wherever it is. ``clock`` (``time.time`` by
+    default, the clock of ``arrival_time`` and ``deadline``) is injectable so tests need no wall clock.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
+        self.clock = clock
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
-        self.waiting = make_policy(config.policy, prefix_length)
+        self.tiers = TierTable(config)
+        self.fairness = (
+            VirtualTokenCounters(config.fair_input_weight, config.fair_output_weight, config.user_weights)
+            if config.policy == "vtc"
+            else None
+        )
+        make_policy(config.policy, prefix_length, self.fairness)  # fail at start-up, not at first use
+        self.waiting = TieredQueue(
+            self.tiers, lambda: make_policy(config.policy, prefix_length, self.fairness), self.fairness
+        )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        # Outputs the scheduler produced on its own (deadline expiry), sent with the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._recent_finishes: deque[float] = deque(maxlen=64)
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -111,8 +139,41 @@ class Scheduler:
                 f"the request needs {total} tokens of KV cache but the whole pool holds "
                 f"{self.kv.capacity_tokens}; lower max_tokens or give the cache more memory"
             )
+        request.tier = self.tiers.resolve(request.tier)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def queue_refusal(self, service_tier: str | None, num_requests: int) -> str | None:
+        """Why ``num_requests`` more requests of ``service_tier`` may not wait now, or None if they may.
+
+        Checks the whole waiting queue's bound (``max_waiting``) and the tier's own. An unknown tier
+        is left to ``add_request``, which raises ValueError for it.
+        """
+        bound = self.config.max_waiting
+        waiting = self.num_waiting
+        if bound is not None and waiting + num_requests > bound:
+            return f"the server is overloaded: {waiting} requests are already waiting (limit {bound}); retry later"
+        try:
+            tier = self.tiers.resolve(service_tier)
+        except ValueError:
+            return None
+        tier_bound = self.tiers.tiers[tier].max_waiting
+        tier_waiting = self.waiting.num_waiting_in(tier)
+        if tier_bound is not None and tier_waiting + num_requests > tier_bound:
+            return (
+                f"the {tier!r} service tier is overloaded: {tier_waiting} requests are already waiting "
+                f"(limit {tier_bound}); retry later"
+            )
+        return None
+
+    def retry_after(self) -> float:
+        """Seconds a refused client should wait: how long the recent finish rate takes to drain the
+        waiting queue, between 1 and 60 seconds (1 before anything has finished)."""
+        finishes = self._recent_finishes
+        if len(finishes) < 2 or finishes[-1] <= finishes[0]:
+            return 1.0
+        rate = (len(finishes) - 1) / (finishes[-1] - finishes[0])
+        return float(min(60, max(1, math.ceil(self.num_waiting / rate))))
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Finish the given requests with reason ``abort``; unknown ids are ignored."""
@@ -141,61 +202,153 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def running_by_tier(self) -> dict[str, int]:
+        counts = dict.fromkeys(self.tiers.names, 0)
+        for request in self.running:
+            counts[request.tier] += 1
+        return counts
+
     # ------------------------------------------------------------------ planning a step
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        now = self.clock()
+        self._expire_deadlines(now)
+        total = self.config.max_num_batched_tokens
+        budget = StepBudget(total, self.tiers.step_caps(now, total, self.requests.values()))
         plan: list[ScheduledRequest] = []
-        num_preempted = 0
+        num_preempted = 0  # running requests that ran out of blocks
+        num_made_room = 0  # worse-class requests preempted to admit better ones
+        admitting = True
+        for key in self._class_keys():
+            num_preempted += self._schedule_running(key, plan, budget)
+            # Admitting new work right after a preemption would only thrash the cache.
+            if admitting and num_preempted == 0:
+                admitting, made_room = self._admit_waiting(key, plan, budget)
+                num_made_room += made_room
+                # What was preempted to make room must not be readmitted (recomputed) in this step.
+                admitting = admitting and made_room == 0
+        finished, self._finished_ids = self._finished_ids, []
+        self.num_preemptions_total += num_preempted + num_made_room
+        return SchedulerOutput(
+            scheduled=plan, finished_request_ids=finished, num_preempted=num_preempted + num_made_room
+        )
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _class_keys(self) -> list[ClassKey]:
+        """The scheduling classes with running or waiting requests, best first."""
+        running = {self.tiers.class_key(r) for r in self.running}
+        return sorted(running.union(self.waiting.class_keys()))
+
+    def _schedule_running(self, key: ClassKey, plan: list[ScheduledRequest], budget: StepBudget) -> int:
+        """Plan the running requests of class ``key`` in admission order; returns how many requests
+        were preempted for blocks (always the lowest-ranked running ones, maybe the asker itself)."""
+        num_preempted = 0
+        for request in [r for r in self.running if self.tiers.class_key(r) == key]:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = budget.grant(request.tier, request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:
+                continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._lowest_ranked_running()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
                     break
             else:
                 plan.append(self._plan_entry(request, num_new))
-                budget -= num_new
-                i += 1
+                budget.take(request.tier, num_new)
+        return num_preempted
 
-        # Admitting new work right after a preemption would only thrash the cache.
-        if num_preempted == 0:
-            budget = self._admit_waiting(plan, budget)
+    def _lowest_ranked_running(self, worse_than: ClassKey | None = None) -> Request:
+        """The running request to preempt first: the worst class, then the most recently admitted.
 
-        finished, self._finished_ids = self._finished_ids, []
-        self.num_preemptions_total += num_preempted
-        return SchedulerOutput(scheduled=plan, finished_request_ids=finished, num_preempted=num_preempted)
+        With ``worse_than``, only requests of a strictly worse class qualify (KeyError if none does).
+        """
+        candidates = [
+            (self.tiers.class_key(r), i)
+            for i, r in enumerate(self.running)
+            if worse_than is None or self.tiers.class_key(r) > worse_than
+        ]
+        if not candidates:
+            raise KeyError("no running request of a worse class")
+        return self.running[max(candidates)[1]]
 
-    def _admit_waiting(self, plan: list[ScheduledRequest], budget: int) -> int:
-        for request in self.waiting.ordered():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+    def _make_room_for(self, key: ClassKey) -> bool:
+        """Preempt one running request of a class worse than ``key``; False when there is none."""
+        try:
+            victim = self._lowest_ranked_running(worse_than=key)
+        except KeyError:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _admit_waiting(
+        self, key: ClassKey, plan: list[ScheduledRequest], budget: StepBudget
+    ) -> tuple[bool, int]:
+        """Admit waiting requests of class ``key`` in policy order, preempting worse classes for seats
+        and blocks. Returns whether worse classes may still be admitted this step, and how many
+        requests were preempted to make room."""
+        num_made_room = 0
+        for request in self.waiting.ordered_in(key):
+            if budget.total_left <= 0:
+                return False, num_made_room
+            tier = self.tiers.tiers[request.tier]
+            if budget.tier_left[request.tier] <= 0 or self._tier_is_full(request.tier):
+                break  # this tier is done for the step; worse classes may still use what is left
             leader = self._sibling_leader(request)
             if leader is not None and not self._leader_prompt_ready(leader, request):
                 continue  # wait until the leader has computed the shared prompt blocks
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._make_room_for(key):
+                    return False, num_made_room
+                num_made_room += 1
             if leader is not None:
                 computed = self.kv.share_prefix(leader.request_id, request, request.num_prompt_tokens - 1)
             else:
                 computed = self.kv.match_prefix(request)
             request.num_computed_tokens = computed
-            num_new = min(request.num_tokens - computed, budget)
-            if not self.kv.allocate_slots(request, num_new):
-                self.kv.free(request.request_id)
-                request.num_computed_tokens = 0
-                break  # head-of-line: do not let later requests jump the queue for blocks
+            num_new = budget.grant(tier.name, request.num_tokens - computed)
+            while not self.kv.allocate_slots(request, num_new):
+                if not self._make_room_for(key):
+                    self.kv.free(request.request_id)
+                    request.num_computed_tokens = 0
+                    # Head-of-line: do not let later or worse requests jump the queue for blocks.
+                    return False, num_made_room
+                num_made_room += 1
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.append(self._plan_entry(request, num_new))
-            budget -= num_new
-        return budget
+            budget.take(tier.name, num_new)
+        return True, num_made_room
+
+    def _tier_is_full(self, tier_name: str) -> bool:
+        limit = self.tiers.tiers[tier_name].max_running
+        return limit is not None and sum(r.tier == tier_name for r in self.running) >= limit
+
+    def _expire_deadlines(self, now: float) -> None:
+        """End every request whose deadline has passed with ``timeout``, freeing its blocks."""
+        expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
+        for request in expired:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = FinishReason.TIMEOUT
+            request.stop_reason = "timeout"
+            self._finish(request)
+            self._pending_outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.TIMEOUT,
+                    stop_reason="timeout",
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            logger.debug("request %s passed its deadline", request.request_id)
 
     def _sibling_leader(self, request: Request) -> Request | None:
         """The running first sibling whose prompt blocks this request may share, if any."""
@@ -237,7 +390,8 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        """Release the request's blocks and queue it to be recomputed from scratch."""
+        """Take the running request out, release its blocks and queue it to be recomputed."""
+        self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -248,12 +402,14 @@ class Scheduler:
     # ------------------------------------------------------------------ applying a step's results
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
+        now = self.clock()
         for entry in plan.scheduled:
             request = self.requests.get(entry.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(entry.token_ids)
+            self._charge_prompt(request)
             chunk_logprobs = result.prompt_logprobs.get(entry.request_id)
             if chunk_logprobs is not None:
                 request.pending_prompt_logprobs.extend(chunk_logprobs)
@@ -263,6 +419,7 @@ class Scheduler:
                 continue
             token = result.sampled_token_ids[entry.request_id]
             request.append_output_token(token)
+            self._record_token(request, now)
             output = EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=[token],
@@ -281,8 +438,25 @@ class Scheduler:
             outputs.append(output)
         return outputs
 
+    def _charge_prompt(self, request: Request) -> None:
+        """Charge the user for prompt positions computed for the first time (recomputation is free)."""
+        computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if computed_prompt > request.num_prompt_charged:
+            self.waiting.charge(request, computed_prompt - request.num_prompt_charged, 0)
+            request.num_prompt_charged = computed_prompt
+
+    def _record_token(self, request: Request, now: float) -> None:
+        """Charge the user for one generated token and note when it came (for TTFT/TPOT targets)."""
+        self.waiting.charge(request, 0, 1)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        elif request.last_token_time is not None:
+            request.last_token_interval = now - request.last_token_time
+        request.last_token_time = now
+
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self._recent_finishes.append(self.clock())

@@ -72,9 +72,10 @@ class EngineFaultError(RuntimeError):
 class RequestRejectedError(ValueError):
     """The engine refused the request: it can never run, or (``overloaded``) the queue is full."""
 
-    def __init__(self, message: str, overloaded: bool = False) -> None:
+    def __init__(self, message: str, overloaded: bool = False, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.overloaded = overloaded
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -91,6 +92,10 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: dict[str, int] = field(default_factory=dict)
+    num_running_by_tier: dict[str, int] = field(default_factory=dict)
+    num_waiting_by_tier: dict[str, int] = field(default_factory=dict)
+    # Requests refused because a waiting queue was full (HTTP 429), by service tier.
+    overloaded_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,14 +109,15 @@ class FinishedRequestStats:
     num_generation_tokens: int
     time_to_first_token: float | None
     e2e_latency: float
+    service_tier: str = "default"
 
 
 class StatsListener(Protocol):
     """Receives latency observations as they happen (the server's Prometheus metrics implement it)."""
 
-    def on_first_token(self, seconds: float) -> None: ...
+    def on_first_token(self, seconds: float, service_tier: str) -> None: ...
 
-    def on_inter_token(self, seconds: float) -> None: ...
+    def on_inter_token(self, seconds: float, service_tier: str) -> None: ...
 
     def on_request_finished(self, stats: FinishedRequestStats) -> None: ...
 
@@ -125,6 +131,7 @@ class _Stream:
     accepted: asyncio.Future[None]
     changed: asyncio.Event
     arrival: float  # time.monotonic()
+    service_tier: str = "default"
     error: BaseException | None = None
     rejected: bool = False
     first_token: float | None = None
@@ -245,17 +252,29 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        service_tier: str = "default",
+        user: str | None = None,
+        timeout: float | None = None,
     ) -> AsyncGenerator[RequestState, None]:
         """Run one request; yields its ``RequestState`` once accepted and then after every change.
 
         The first item arrives when the engine has accepted the request (so callers can still answer
         with an HTTP error before streaming); the last item is the finished state. The same object is
-        yielded each time: read what you need before awaiting anything else.
+        yielded each time: read what you need before awaiting anything else. ``service_tier`` must be
+        a configured tier (resolve ``auto`` first); ``timeout`` seconds after arrival the engine ends
+        the request with finish reason ``timeout``.
         """
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         core_requests = self.input_processor.make_requests(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            service_tier=service_tier,
+            user=user,
+            timeout=timeout,
         )
         state = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = _Stream(
@@ -264,6 +283,7 @@ class AsyncLLM:
             accepted=self._loop.create_future(),
             changed=asyncio.Event(),
             arrival=time.monotonic(),
+            service_tier=service_tier,
         )
         self._streams[request_id] = stream
         for core_id in stream.core_ids:
@@ -323,6 +343,7 @@ class AsyncLLM:
             num_generation_tokens=sum(len(s.token_ids) for s in state.samples),
             time_to_first_token=ttft,
             e2e_latency=now - stream.arrival,
+            service_tier=stream.service_tier,
         )
         self.stats.finished_requests[reason] = self.stats.finished_requests.get(reason, 0) + 1
         for listener in self.listeners:
@@ -330,7 +351,8 @@ class AsyncLLM:
         line = (
             f"request {stats.request_id} finished ({reason}): prompt_tokens={stats.num_prompt_tokens} "
             f"cached_tokens={stats.num_cached_tokens} output_tokens={stats.num_generation_tokens} "
-            f"ttft={'-' if ttft is None else f'{ttft:.3f}s'} e2e={stats.e2e_latency:.3f}s"
+            f"ttft={'-' if ttft is None else f'{ttft:.3f}s'} e2e={stats.e2e_latency:.3f}s "
+            f"tier={stats.service_tier}"
         )
         if self.log_requests:
             line += f" output={[s.text for s in state.samples]!r}"
@@ -398,7 +420,12 @@ class AsyncLLM:
             return  # the caller went away before the answer came
         if result.error is not None:
             stream.rejected = True
-            stream.accepted.set_exception(RequestRejectedError(result.error, result.overloaded))
+            if result.overloaded:
+                tier = stream.service_tier
+                self.stats.overloaded_by_tier[tier] = self.stats.overloaded_by_tier.get(tier, 0) + 1
+            stream.accepted.set_exception(
+                RequestRejectedError(result.error, result.overloaded, result.retry_after)
+            )
             return
         self.stats.prompt_tokens += len(stream.state.prompt_token_ids)
         stream.accepted.set_result(None)
@@ -410,6 +437,8 @@ class AsyncLLM:
         self.stats.num_preemptions += batch.num_preemptions
         self.stats.prefix_cache_queried_tokens = batch.prefix_cache_queried_tokens
         self.stats.prefix_cache_hit_tokens = batch.prefix_cache_hit_tokens
+        self.stats.num_running_by_tier = batch.num_running_by_tier
+        self.stats.num_waiting_by_tier = batch.num_waiting_by_tier
         if not batch.outputs:
             return
         now = time.monotonic()
@@ -437,11 +466,11 @@ class AsyncLLM:
         if stream.first_token is None:
             stream.first_token = now
             for listener in self.listeners:
-                listener.on_first_token(now - stream.arrival)
+                listener.on_first_token(now - stream.arrival, stream.service_tier)
         previous = stream.last_token.get(core_id)
         if previous is not None:
             for listener in self.listeners:
-                listener.on_inter_token((now - previous) / num_tokens)
+                listener.on_inter_token((now - previous) / num_tokens, stream.service_tier)
         stream.last_token[core_id] = now
 
     # ------------------------------------------------------------------ engine death and shutdown

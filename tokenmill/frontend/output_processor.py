@@ -147,9 +147,10 @@ class OutputProcessor:
             state, sample = entry
             if sample.finish_reason is not None:
                 continue
-            if state.first_token_time is None:
-                state.first_token_time = now
-            state.last_token_time = now
+            if output.new_token_ids:  # a deadline can end a request that never produced a token
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                state.last_token_time = now
             state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
             if output.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = [

@@ -118,9 +118,15 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        service_tier: str = "default",
+        user: str | None = None,
+        timeout: float | None = None,
     ) -> list[EngineCoreRequest]:
         self.check_prompt(prompt_token_ids, params)
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         arrival = time.time() if arrival_time is None else arrival_time
+        deadline = None if timeout is None else arrival + timeout
         child_params = params.clone(n=1) if params.n > 1 else params
         return [
             EngineCoreRequest(
@@ -133,6 +139,9 @@ class InputProcessor:
                 group_id=request_id if params.n > 1 else None,
                 sibling_index=i,
                 cache_salt=cache_salt,
+                service_tier=service_tier,
+                user=user,
+                deadline=deadline,
             )
             for i in range(params.n)
         ]

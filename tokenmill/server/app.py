@@ -182,7 +182,7 @@ def build_app(settings: ServerSettings, config: EngineConfig, source: ModelSourc
     install_error_handlers(app)
     app.include_router(router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    if settings.api_key:
+    if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     return app

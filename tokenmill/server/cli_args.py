@@ -39,7 +39,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one)")
     server.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (repeat for several keys; "
+        "each key is also a user for fair scheduling when a request gives no 'user')",
     )
     server.add_argument(
         "--served-model-name",
@@ -75,7 +79,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_names=list(args.served_model_name or []),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_keys=list(args.api_key or []),
         max_request_body_bytes=args.max_request_body_bytes,
         log_requests=args.log_requests,
         log_level=args.log_level.lower(),  # `tokenmill --log-level INFO serve` spells it in capitals
@@ -102,11 +106,11 @@ class _Server(uvicorn.Server):
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM; exits the process with an error message on bad arguments."""
     settings = settings_from_args(args)
-    config = engine_config_from_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        config = engine_config_from_args(args)
         config.validate()
         source = resolve_model(args.model)
     except ValueError as exc:

@@ -3,15 +3,17 @@ for turning ``RequestState``s into OpenAI pieces (new text since the last chunk,
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from tokenmill.core.tiers import TierTable
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.output_processor import RequestState, SampleState
 from tokenmill.outputs import PositionLogprobDict
-from tokenmill.server.errors import APIError, model_not_found
+from tokenmill.server.errors import APIError, bad_request, model_not_found
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openai_protocol import PromptTokensDetails, Usage
 
@@ -26,7 +28,7 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_requests: bool = False
     log_level: str = "info"
@@ -51,6 +53,14 @@ class ServerContext:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.tiers = TierTable(engine.config.scheduler)
+
+    def resolve_service_tier(self, requested: str | None) -> str:
+        """The tier a request runs in (``auto`` or none: ``default``); 400 for a tier not offered."""
+        try:
+            return self.tiers.resolve(requested)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="service_tier") from None
 
     @property
     def model_name(self) -> str:
@@ -114,3 +124,25 @@ def usage_of(states: list[RequestState]) -> Usage:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def request_user(user_field: str | None, raw: Request) -> str | None:
+    """Whose fair share a request uses: its ``user`` field, else its API key.
+
+    The key is represented by ``key:`` and the first 16 hex digits of its SHA-256, so identities can
+    be logged and configured (``--user-weight key:...=2``) without revealing the key. None when the
+    request has neither (every anonymous request then shares one identity).
+    """
+    if user_field:
+        return user_field
+    authorization = raw.headers.get("authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return None
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The finish reason as OpenAI clients know it: a passed deadline (``timeout``) is reported as
+    ``length`` (the answer was cut short); ``stop_reason`` still says ``timeout``."""
+    return "length" if reason == "timeout" else reason

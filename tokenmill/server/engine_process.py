@@ -116,8 +116,8 @@ class EngineLoop:
     """Runs an ``EngineCore`` against the two sockets until shutdown, a fault or the parent's death.
 
     Contract: every ``AddRequests`` gets one ``AddResult`` before any output of those requests; a
-    request over the waiting-queue bound (``scheduler.max_waiting``) is refused with
-    ``overloaded=True``; outputs are sent after every step; gauges are re-sent when an idle engine's
+    request over the waiting-queue bound (``scheduler.max_waiting`` or its tier's ``max_waiting``) is
+    refused with ``overloaded=True`` and a ``retry_after`` estimate; outputs are sent after every step; gauges are re-sent when an idle engine's
     numbers change (after aborts), so the server's metrics never go stale.
     """
 
@@ -186,14 +186,12 @@ class EngineLoop:
 
     def _add(self, message: AddRequests) -> None:
         ids = [r.request_id for r in message.requests]
-        bound = self.core.scheduler.config.max_waiting
-        waiting = self.core.scheduler.num_waiting
-        if bound is not None and waiting + len(ids) > bound:
-            error = (
-                f"the server is overloaded: {waiting} requests are already waiting (limit {bound}); "
-                "retry later"
-            )
-            self._send(AddResult(request_ids=ids, error=error, overloaded=True))
+        scheduler = self.core.scheduler
+        tier = message.requests[0].service_tier if message.requests else None
+        refusal = scheduler.queue_refusal(tier, len(ids))
+        if refusal is not None:
+            retry_after = scheduler.retry_after()
+            self._send(AddResult(request_ids=ids, error=refusal, overloaded=True, retry_after=retry_after))
             return
         added: list[str] = []
         try:
@@ -234,6 +232,8 @@ class EngineLoop:
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
             "num_preemptions": self.core.scheduler.num_preemptions_total,
+            **{f"num_running_{tier}": n for tier, n in self.core.scheduler.running_by_tier().items()},
+            **{f"num_waiting_{tier}": n for tier, n in self.core.scheduler.waiting.waiting_by_tier().items()},
         }
 
     # ------------------------------------------------------------------ output
@@ -251,7 +251,12 @@ class EngineLoop:
         if gauges != self._last_gauges:
             self._send_outputs(
                 EngineCoreOutputs(
-                    outputs=[], num_running=gauges[0], num_waiting=gauges[1], kv_cache_usage=gauges[2]
+                    outputs=[],
+                    num_running=gauges[0],
+                    num_waiting=gauges[1],
+                    kv_cache_usage=gauges[2],
+                    num_running_by_tier=scheduler.running_by_tier(),
+                    num_waiting_by_tier=scheduler.waiting.waiting_by_tier(),
                 )
             )
 

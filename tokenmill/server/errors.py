@@ -1,8 +1,8 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 
 Status codes: 400 bad input (the message names the field; context-length errors give both numbers),
-401 missing or wrong API key, 404 unknown model or route, 413 body too large, 429 waiting queue full,
-500 engine fault, 503 engine gone. Route handlers raise ``APIError``; the handlers installed by
+401 missing or wrong API key, 404 unknown model or route, 413 body too large, 429 waiting queue (or
+the tier's queue) full, with a ``Retry-After`` header, 500 engine fault, 503 engine gone. Route handlers raise ``APIError``; the handlers installed by
 ``install_error_handlers`` turn it, FastAPI's validation errors and Starlette's HTTP errors into
 that shape.
 """
@@ -10,6 +10,7 @@ that shape.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +37,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -43,12 +45,13 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -78,7 +81,15 @@ def from_engine_error(exc: Exception, prompt_param: str) -> APIError:
     """Map the errors ``AsyncLLM`` raises to their HTTP status."""
     if isinstance(exc, RequestRejectedError):
         if exc.overloaded:
-            return APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
+            # Retry-After in whole seconds (RFC 9110), as OpenAI's own 429s carry it.
+            retry_after = str(max(1, math.ceil(exc.retry_after or 1)))
+            return APIError(
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry_after},
+            )
         return from_value_error(exc, prompt_param)
     if isinstance(exc, EngineDeadError):
         return APIError(

@@ -35,6 +35,18 @@ class _EngineCollector:
         metric.add_metric(self.labels, value)
         return metric
 
+    def _by_tier(
+        self,
+        family: type[GaugeMetricFamily] | type[CounterMetricFamily],
+        name: str,
+        doc: str,
+        values: dict[str, int],
+    ) -> Metric:
+        metric = family(f"tokenmill:{name}", doc, labels=["model_name", "service_tier"])
+        for tier, value in sorted(values.items()):
+            metric.add_metric([*self.labels, tier], value)
+        return metric
+
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
         yield self._gauge("num_requests_running", "Sequences running in the engine.", stats.num_running)
@@ -67,6 +79,24 @@ class _EngineCollector:
             "Prefix-cache hits over queries since start-up (0 before any query).",
             stats.prefix_cache_hit_tokens / queried if queried else 0.0,
         )
+        yield self._by_tier(
+            GaugeMetricFamily,
+            "num_requests_running_by_tier",
+            "Sequences running, by service tier.",
+            stats.num_running_by_tier,
+        )
+        yield self._by_tier(
+            GaugeMetricFamily,
+            "num_requests_waiting_by_tier",
+            "Sequences waiting, by service tier.",
+            stats.num_waiting_by_tier,
+        )
+        yield self._by_tier(
+            CounterMetricFamily,
+            "num_requests_overloaded",
+            "Requests refused with 429 because a waiting queue was full, by service tier.",
+            stats.overloaded_by_tier,
+        )
         finished = CounterMetricFamily(
             "tokenmill:request_success",
             "Requests that ended, by finish reason.",
@@ -87,34 +117,34 @@ class ServerMetrics:
         self.ttft = Histogram(
             "tokenmill:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
-            ["model_name"],
+            ["model_name", "service_tier"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
-        ).labels(model_name)
+        )
         self.itl = Histogram(
             "tokenmill:inter_token_latency_seconds",
             "Time between consecutive tokens of one sequence.",
-            ["model_name"],
+            ["model_name", "service_tier"],
             buckets=_ITL_BUCKETS,
             registry=self.registry,
-        ).labels(model_name)
+        )
         self.e2e = Histogram(
             "tokenmill:e2e_request_latency_seconds",
             "Time from arrival to the end of the request.",
-            ["model_name"],
+            ["model_name", "service_tier"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
-        ).labels(model_name)
+        )
 
-    # StatsListener
-    def on_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    # StatsListener: latencies are labelled by service tier, so each tier's targets can be watched.
+    def on_first_token(self, seconds: float, service_tier: str) -> None:
+        self.ttft.labels(self.model_name, service_tier).observe(seconds)
 
-    def on_inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+    def on_inter_token(self, seconds: float, service_tier: str) -> None:
+        self.itl.labels(self.model_name, service_tier).observe(seconds)
 
     def on_request_finished(self, stats: FinishedRequestStats) -> None:
-        self.e2e.observe(stats.e2e_latency)
+        self.e2e.labels(self.model_name, stats.service_tier).observe(stats.e2e_latency)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -32,18 +32,21 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on every route but ``UNAUTHENTICATED_PATHS``."""
+    """Require ``Authorization: Bearer <key>`` with one of ``api_keys`` on every route but
+    ``UNAUTHENTICATED_PATHS``. Each key is also a fair-share identity (``server/identity.py``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization") or b""
-        if not hmac.compare_digest(given, self.expected):
+        # Compare with every key (no early exit), so timing does not tell which key came close.
+        matches = [hmac.compare_digest(given, expected) for expected in self.expected]
+        if not any(matches):
             message = "missing API key" if not given else "incorrect API key provided"
             error = APIError(401, message, param=None, code="invalid_api_key")
             await _send_error(send, error)

@@ -1,9 +1,12 @@
 """Pydantic models of the OpenAI API as tokenmill serves it: request bodies and response shapes.
 
 Request models forbid unknown fields, so a misspelt parameter is a 400 naming it rather than being
-silently ignored. Fields OpenAI clients commonly send that have no effect here (``user``, ``store``,
-``metadata``...) are accepted and ignored. Extensions beyond OpenAI follow vLLM's names (``top_k``,
-``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``...).
+silently ignored. Fields OpenAI clients commonly send that have no effect here (``store``,
+``metadata``...) are accepted and ignored; ``user`` names whose fair share a request uses and
+``service_tier`` picks its scheduling tier (echoed in the response). Extensions beyond OpenAI follow
+vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids``, ``priority``: lower values first...); ``timeout`` (seconds) ends a request that
+is still running or waiting with ``finish_reason: "length"`` and ``stop_reason: "timeout"``.
 Response models are built by the serving code and dumped with every field, as OpenAI does.
 """
 
@@ -50,11 +53,12 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     priority: int = 0
     cache_salt: str | None = None
-    # Accepted for compatibility; they change nothing here.
     user: str | None = None
+    service_tier: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    # Accepted for compatibility; they change nothing here.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
 
 
 class ChatMessage(_Strict):
@@ -179,6 +183,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -197,6 +202,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -222,3 +228,4 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None
     system_fingerprint: str | None = None
+    service_tier: str | None = None

@@ -16,7 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.frontend.output_processor import RequestState, SampleState
-from tokenmill.server.context import ServerContext, take_delta, usage_of
+from tokenmill.server.context import (
+    ServerContext,
+    openai_finish_reason,
+    request_user,
+    take_delta,
+    usage_of,
+)
 from tokenmill.server.errors import bad_request, from_engine_error
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.openai_protocol import (
@@ -123,6 +129,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=num_top, prompt_param="messages")
+    tier = ctx.resolve_service_tier(body.service_tier)
     prompt_text, prompt_ids = render_chat_prompt(
         ctx,
         body.messages,
@@ -133,7 +140,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     )
     request_id = ctx.new_request_id("chatcmpl")
     stream = ctx.engine.generate(
-        request_id, prompt_ids, params, prompt=prompt_text, priority=body.priority, cache_salt=body.cache_salt
+        request_id,
+        prompt_ids,
+        params,
+        prompt=prompt_text,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        service_tier=tier,
+        user=request_user(body.user, raw),
+        timeout=body.timeout,
     )
     try:
         [state] = await open_streams(raw, [stream])
@@ -143,18 +158,18 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         raise from_engine_error(exc, "messages") from None
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_stream_chat(ctx, request_id, stream, state, num_top, include_usage))
+        return SSEResponse(_stream_chat(ctx, request_id, stream, state, num_top, include_usage, tier))
     try:
         await finish_streams(raw, [stream])
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
         raise from_engine_error(exc, "messages") from None
-    return JSONResponse(_chat_response(ctx, request_id, state, num_top).model_dump(mode="json"))
+    return JSONResponse(_chat_response(ctx, request_id, state, num_top, tier).model_dump(mode="json"))
 
 
 def _chat_response(
-    ctx: ServerContext, request_id: str, state: RequestState, num_top: int | None
+    ctx: ServerContext, request_id: str, state: RequestState, num_top: int | None, tier: str
 ) -> ChatCompletionResponse:
     choices = []
     for sample in state.samples:
@@ -166,12 +181,12 @@ def _chat_response(
                 index=sample.index,
                 message=ChatResponseMessage(content=sample.text),
                 logprobs=logprobs,
-                finish_reason=sample.finish_reason,
+                finish_reason=openai_finish_reason(sample.finish_reason),
                 stop_reason=sample.stop_reason,
             )
         )
     return ChatCompletionResponse(
-        id=request_id, model=ctx.model_name, choices=choices, usage=usage_of([state])
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage_of([state]), service_tier=tier
     )
 
 
@@ -190,7 +205,7 @@ def _chunk_choices(sample: SampleState, num_top: int | None, finish_sent: set[in
             ChatChunkChoice(
                 index=sample.index,
                 delta={},
-                finish_reason=sample.finish_reason,
+                finish_reason=openai_finish_reason(sample.finish_reason),
                 stop_reason=sample.stop_reason,
             )
         )
@@ -204,13 +219,19 @@ async def _stream_chat(
     state: RequestState,
     num_top: int | None,
     include_usage: bool,
+    tier: str,
 ) -> AsyncGenerator[str, None]:
     created = now_seconds()
 
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
         return sse(
             ChatCompletionChunk(
-                id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+                id=request_id,
+                created=created,
+                model=ctx.model_name,
+                choices=choices,
+                usage=usage,
+                service_tier=tier,
             )
         )
 

@@ -15,7 +15,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.frontend.output_processor import RequestState, SampleState
-from tokenmill.server.context import ServerContext, take_delta, usage_of
+from tokenmill.server.context import (
+    ServerContext,
+    openai_finish_reason,
+    request_user,
+    take_delta,
+    usage_of,
+)
 from tokenmill.server.errors import bad_request, from_engine_error
 from tokenmill.server.logprobs import completion_logprobs, extend_completion_logprobs
 from tokenmill.server.openai_protocol import (
@@ -80,6 +86,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     params = build_sampling_params(
         body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=echo_logprobs
     )
+    tier = ctx.resolve_service_tier(body.service_tier)
+    user = request_user(body.user, raw)
     request_id = ctx.new_request_id("cmpl")
     streams = [
         ctx.engine.generate(
@@ -89,6 +97,9 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
             prompt=p.text,
             priority=body.priority,
             cache_salt=body.cache_salt,
+            service_tier=tier,
+            user=user,
+            timeout=body.timeout,
         )
         for i, p in enumerate(prompts)
     ]
@@ -100,7 +111,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         raise from_engine_error(exc, "prompt") from None
     formatter = _Formatter(ctx, body, prompts)
     if body.stream:
-        return SSEResponse(_stream_completions(ctx, body, request_id, streams, states, formatter))
+        return SSEResponse(_stream_completions(ctx, body, request_id, streams, states, formatter, tier))
     try:
         await finish_streams(raw, streams)
     except ClientDisconnected:
@@ -111,7 +122,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         formatter.full_choice(i, state, sample) for i, state in enumerate(states) for sample in state.samples
     ]
     response = CompletionResponse(
-        id=request_id, model=ctx.model_name, choices=choices, usage=usage_of(states)
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage_of(states), service_tier=tier
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -168,7 +179,7 @@ class _Formatter:
             index=self.index(prompt_index, sample),
             text=prefix + text,
             logprobs=logprobs,
-            finish_reason=sample.finish_reason,
+            finish_reason=openai_finish_reason(sample.finish_reason),
             stop_reason=sample.stop_reason,
         )
 
@@ -198,7 +209,10 @@ class _Formatter:
             cursor.finish_sent = True
             choices.append(
                 CompletionChoice(
-                    index=index, text="", finish_reason=sample.finish_reason, stop_reason=sample.stop_reason
+                    index=index,
+                    text="",
+                    finish_reason=openai_finish_reason(sample.finish_reason),
+                    stop_reason=sample.stop_reason,
                 )
             )
         return choices
@@ -211,6 +225,7 @@ async def _stream_completions(
     streams: list[AsyncGenerator[RequestState, None]],
     states: list[RequestState],
     formatter: _Formatter,
+    tier: str,
 ) -> AsyncGenerator[str, None]:
     created = now_seconds()
     cursors: dict[int, _Cursor] = {}
@@ -221,7 +236,12 @@ async def _stream_completions(
             cursor = cursors.setdefault(formatter.index(prompt_index, sample), _Cursor())
             for choice in formatter.delta_choices(prompt_index, state, sample, cursor):
                 response = CompletionResponse(
-                    id=request_id, created=created, model=ctx.model_name, choices=[choice], usage=None
+                    id=request_id,
+                    created=created,
+                    model=ctx.model_name,
+                    choices=[choice],
+                    usage=None,
+                    service_tier=tier,
                 )
                 out.append(sse(response))
         return out
@@ -236,7 +256,12 @@ async def _stream_completions(
                 yield event
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = CompletionResponse(
-                id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage_of(states)
+                id=request_id,
+                created=created,
+                model=ctx.model_name,
+                choices=[],
+                usage=usage_of(states),
+                service_tier=tier,
             )
             yield sse(usage)
     except Exception as exc:

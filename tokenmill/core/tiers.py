@@ -1,0 +1,176 @@
+"""Service tiers and priorities: scheduling classes, their queues, limits and latency guard.
+
+A request's scheduling class is ``(tier rank, priority)``: tiers in the configured order (best
+first; by default OpenAI's ``priority``, ``default``, ``flex``), then lower ``priority`` values
+first within a tier. The scheduler serves classes best first, each class's running requests before
+its waiting ones, and preempts the worst class first, so a better class is admitted first and may
+take blocks and seats from worse ones; ``flex``, the worst by default, runs on what is left.
+
+Per tier: ``max_running`` seats, a ``step_share`` of each step's token budget, a waiting-queue
+bound (``max_waiting``, beyond it the server answers 429) and optional TTFT/TPOT targets. When a
+request of a tier with a target is about to miss it (``slo_margin`` of the target has passed
+without a first token, or an inter-token gap has reached ``slo_margin`` of the TPOT target, after
+which the request stays guarded until it ends), every worse tier is held to ``slo_guard_share`` of
+the step: smaller steps run faster, and the budget goes first to the tier at risk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from tokenmill.config import SchedulerConfig, TierConfig
+from tokenmill.core.fairness import VirtualTokenCounters
+from tokenmill.core.policy import WaitingPolicy
+from tokenmill.core.request import Request
+
+AUTO_TIER = "auto"
+DEFAULT_TIER = "default"
+
+# (tier rank, priority): smaller is better.
+ClassKey = tuple[int, int]
+
+
+class TierTable:
+    """The configured tiers: how to name, rank and limit them, and which are at risk of an SLO miss."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.tiers: dict[str, TierConfig] = {tier.name: tier for tier in config.tiers}
+        self.rank: dict[str, int] = {tier.name: i for i, tier in enumerate(config.tiers)}
+        self.names = [tier.name for tier in config.tiers]
+
+    def resolve(self, name: str | None) -> str:
+        """The tier a requested ``service_tier`` runs in (``auto`` and None mean ``default``).
+
+        Raises ValueError naming the offered tiers for an unknown name.
+        """
+        if name is None or name == AUTO_TIER:
+            return DEFAULT_TIER
+        if name not in self.tiers:
+            offered = ", ".join([AUTO_TIER, *self.names])
+            raise ValueError(f"service_tier {name!r} is not offered by this server; choose one of {offered}")
+        return name
+
+    def class_key(self, request: Request) -> ClassKey:
+        return (self.rank[request.tier], request.priority)
+
+    def step_caps(self, now: float, budget: int, requests: Iterable[Request]) -> dict[str, int]:
+        """Tokens each tier may use this step: its share, cut to the guard share below a tier at risk."""
+        caps = {name: max(1, int(tier.step_share * budget)) for name, tier in self.tiers.items()}
+        at_risk = [self.rank[r.tier] for r in requests if self.at_risk(r, now)]
+        if at_risk:
+            best = min(at_risk)
+            guard = max(1, int(self.config.slo_guard_share * budget))
+            for name, rank in self.rank.items():
+                if rank > best:
+                    caps[name] = min(caps[name], guard)
+        return caps
+
+    def at_risk(self, request: Request, now: float) -> bool:
+        """Whether ``request`` is about to miss its tier's TTFT or TPOT target.
+
+        The guard reacts to measured gaps (the scheduler does not predict step times), so the gap
+        that trips it may itself exceed the target; the later ones are what it protects.
+        """
+        tier = self.tiers[request.tier]
+        margin = self.config.slo_margin
+        waiting_for_first = request.first_token_time is None
+        if (
+            tier.ttft_slo is not None
+            and waiting_for_first
+            and now - request.arrival_time >= margin * tier.ttft_slo
+        ):
+            return True
+        gap = request.last_token_interval
+        if tier.tpot_slo is not None and gap is not None and gap >= margin * tier.tpot_slo:
+            # Sticky: releasing the guard as soon as the gap shrinks would let the next large step
+            # of a worse tier open it again, so a request that needed it keeps it until it ends.
+            request.tpot_guarded = True
+        return request.tpot_guarded
+
+
+class StepBudget:
+    """One step's token budget: a total and what each tier may still take of it."""
+
+    def __init__(self, total: int, tier_caps: dict[str, int]) -> None:
+        self.total_left = total
+        self.tier_left = dict(tier_caps)
+
+    def grant(self, tier: str, wanted: int) -> int:
+        """How many of ``wanted`` tokens a request of ``tier`` may compute now (0: none)."""
+        return max(0, min(wanted, self.total_left, self.tier_left[tier]))
+
+    def take(self, tier: str, num_tokens: int) -> None:
+        self.total_left -= num_tokens
+        self.tier_left[tier] -= num_tokens
+
+
+class TieredQueue(WaitingPolicy):
+    """The waiting queue: one inner policy queue (fcfs, lpm or vtc) per scheduling class.
+
+    ``ordered`` walks the classes best first; ``ordered_in`` one class. Users' fair-share counters
+    (when the inner policy is ``vtc``) are shared by all classes and charged through ``charge``.
+    """
+
+    name = "tiered"
+
+    def __init__(
+        self,
+        table: TierTable,
+        make_inner: Callable[[], WaitingPolicy],
+        counters: VirtualTokenCounters | None = None,
+    ) -> None:
+        self.table = table
+        self.counters = counters
+        self._make_inner = make_inner
+        self._classes: dict[ClassKey, WaitingPolicy] = {}
+        self._waiting_by_tier = dict.fromkeys(table.names, 0)
+
+    def _queue_for(self, request: Request) -> WaitingPolicy:
+        key = self.table.class_key(request)
+        queue = self._classes.get(key)
+        if queue is None:
+            queue = self._classes[key] = self._make_inner()
+        return queue
+
+    def add(self, request: Request) -> None:
+        self._queue_for(request).add(request)
+        self._waiting_by_tier[request.tier] += 1
+
+    def prepend(self, request: Request) -> None:
+        self._queue_for(request).prepend(request)
+        self._waiting_by_tier[request.tier] += 1
+
+    def remove(self, request: Request) -> None:
+        key = self.table.class_key(request)
+        queue = self._classes[key]
+        queue.remove(request)
+        if len(queue) == 0:
+            del self._classes[key]
+        self._waiting_by_tier[request.tier] -= 1
+
+    def class_keys(self) -> list[ClassKey]:
+        """The classes with waiting requests, best first."""
+        return sorted(self._classes)
+
+    def ordered_in(self, key: ClassKey) -> Iterator[Request]:
+        queue = self._classes.get(key)
+        return queue.ordered() if queue is not None else iter(())
+
+    def ordered(self) -> Iterator[Request]:
+        for key in self.class_keys():
+            yield from self.ordered_in(key)
+
+    def num_waiting_in(self, tier: str) -> int:
+        return self._waiting_by_tier[tier]
+
+    def waiting_by_tier(self) -> dict[str, int]:
+        return dict(self._waiting_by_tier)
+
+    def charge(self, request: Request, num_input_tokens: int, num_output_tokens: int) -> None:
+        """Account service ``request`` just received to its user (a no-op without fairness)."""
+        if self.counters is not None and (num_input_tokens or num_output_tokens):
+            self.counters.charge(request.user, num_input_tokens, num_output_tokens)
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._classes.values())

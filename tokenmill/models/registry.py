@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.qwen_moe import QwenMoeForCausalLM
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -12,6 +14,9 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
 }
 
 

@@ -20,6 +20,23 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
 }
 
 
+def choose_model_impl(config, model_impl: str) -> str:  # type: ignore[no-untyped-def]
+    """``"native"`` or ``"transformers"`` for ``model_impl`` (``auto``, ``native``, ``transformers``).
+
+    ``auto`` is native when this registry has the architecture, else transformers; ``native`` for an
+    architecture it lacks raises the ValueError of ``resolve_model_class``, which names it.
+    """
+    if model_impl == "transformers":
+        return "transformers"
+    try:
+        resolve_model_class(config)
+    except ValueError:
+        if model_impl == "native":
+            raise
+        return "transformers"
+    return "native"
+
+
 def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-def]
     """The native class for ``config.architectures``; ValueError names the architecture if none."""
     architectures = list(getattr(config, "architectures", None) or [])

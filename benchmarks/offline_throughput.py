@@ -4,6 +4,10 @@ Prints output tokens/s for each and the ratio. Default workload (issue 2): 256 p
 token ids, 128 output tokens each with EOS ignored, SmolLM2-135M in bfloat16.
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 256] [--dtype bfloat16]
+
+``--model-impl compare`` runs tokenmill twice on the same architecture, with its native model code
+and with the transformers fallback (transformers' model code over our paged KV cache), and prints
+the fallback's throughput as a fraction of the native one.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
     return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_tokenmill(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+def run_tokenmill(args: argparse.Namespace, prompts: list[list[int]], model_impl: str = "auto") -> float:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
         args.model,
+        model_impl=model_impl,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -92,6 +97,12 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "native", "transformers", "compare"],
+        help="tokenmill's model code; compare runs native and the transformers fallback",
+    )
     args = parser.parse_args()
 
     prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
@@ -99,8 +110,15 @@ def main() -> None:
         f"workload: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
         f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads"
     )
-    ours = run_tokenmill(args, prompts)
-    print(f"tokenmill    : {ours:8.1f} output tok/s")
+    if args.model_impl == "compare":
+        ours = run_tokenmill(args, prompts, "native")
+        print(f"tokenmill    : {ours:8.1f} output tok/s (native model code)")
+        fallback = run_tokenmill(args, prompts, "transformers")
+        print(f"tokenmill    : {fallback:8.1f} output tok/s (transformers fallback)")
+        print(f"fallback     : {fallback / ours:8.2f}x native")
+    else:
+        ours = run_tokenmill(args, prompts, args.model_impl)
+        print(f"tokenmill    : {ours:8.1f} output tok/s ({args.model_impl} model code)")
     if args.skip_transformers:
         return
     theirs = run_transformers(args, prompts)

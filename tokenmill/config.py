@@ -23,6 +23,7 @@ def env_int(name: str, default: int) -> int:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 def attention_backend_choice() -> str:
@@ -59,7 +60,10 @@ class ModelConfig:
     ``model`` is a bundled alias (``smollm2-135m``), a Hugging Face folder or a ``.gguf`` file.
     ``dtype`` is ``auto`` (bfloat16 where the CPU or GPU supports it well, else float32),
     ``float32`` or ``bfloat16``. ``max_model_len`` caps prompt + output tokens per sequence; None
-    takes the model's own limit.
+    takes the model's own limit. ``model_impl`` chooses the model code: ``native`` (ours; an
+    architecture we lack is a ValueError), ``transformers`` (transformers' modelling code over our
+    paged KV cache, for any architecture it can route), ``auto`` (native when we have it, else
+    transformers).
     """
 
     model: str = "smollm2-135m"
@@ -68,6 +72,7 @@ class ModelConfig:
     seed: int = 0
     device: str = "cpu"
     served_model_name: str | None = None
+    model_impl: str = "auto"
 
 
 @dataclass
@@ -175,6 +180,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.model.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model.model_impl!r}")
         if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.cache.block_size}")
         if self.scheduler.max_num_batched_tokens < 1:

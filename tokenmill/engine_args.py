@@ -8,7 +8,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig, TierConfig, standard_tiers
+from tokenmill.config import (
+    MODEL_IMPLS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TierConfig,
+    standard_tiers,
+)
 from tokenmill.core.policy import POLICIES
 
 
@@ -106,6 +113,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--seed", type=int, default=ModelConfig.seed)
     model.add_argument("--device", default=ModelConfig.device)
+    model.add_argument(
+        "--model-impl",
+        default=ModelConfig.model_impl,
+        choices=list(MODEL_IMPLS),
+        help="native (ours), transformers (its model code over our paged KV cache), auto (native if we have it)",
+    )
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -193,6 +206,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "seed": args.seed,
         "device": args.device,
+        "model_impl": args.model_impl,
         "num_threads": args.num_threads,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

@@ -21,6 +21,8 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import get_rope
 from tokenmill.worker.forward_batch import ForwardBatch
 
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
 
 @dataclass
 class LlamaArgs:
@@ -48,9 +50,11 @@ class LlamaArgs:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = model_type == "qwen2" or attention_bias
-        sliding_window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
-        if model_type in ("qwen2", "qwen3") and getattr(config, "use_sliding_window", False):
+        # Qwen2 always has QKV biases; Qwen2-MoE says so in `qkv_bias` (True by default).
+        qkv_bias = model_type == "qwen2" or attention_bias or bool(getattr(config, "qkv_bias", False))
+        windowed = model_type in ("mistral", "mixtral")
+        sliding_window = getattr(config, "sliding_window", None) if windowed else None
+        if model_type in QWEN_TYPES and getattr(config, "use_sliding_window", False):
             raise ValueError(
                 f"{model_type} with use_sliding_window=True (per-layer windows) is not supported yet"
             )
@@ -66,7 +70,7 @@ class LlamaArgs:
             qkv_bias=qkv_bias,
             o_bias=attention_bias and model_type == "llama",
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=getattr(config, "hidden_act", "silu"),
             sliding_window=sliding_window,
@@ -114,9 +118,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+    """The gated MLP; ``intermediate_size`` overrides the config's (MoE shared experts, dense layers)."""
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = args.intermediate_size
+        size = intermediate_size or args.intermediate_size
         self.gate_up_proj = MergedColumnLinear(
             args.hidden_size, {"gate": size, "up": size}, bias=args.mlp_bias, dtype=dtype
         )
@@ -133,12 +139,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype) -> None:
+    """Pre-norm attention and feed-forward with residuals; ``mlp`` is the feed-forward module
+    (a mixture-of-experts block in the MoE families), a ``LlamaMLP`` when not given."""
+
+    def __init__(
+        self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = LlamaAttention(args, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = LlamaMLP(args, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(args, dtype)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, layer_index: int
@@ -168,15 +179,22 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype)
         self.rotary = get_rope(config, args.head_dim)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(args, self.rotary, dtype) for _ in range(args.num_layers)]
+            [
+                LlamaDecoderLayer(args, self.rotary, dtype, self.build_mlp(config, args, index, dtype))
+                for index in range(args.num_layers)
+            ]
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
 
+    def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
+        """The feed-forward of layer ``layer_index``; mixture-of-experts families override this."""
+        return LlamaMLP(args, dtype)
+
     @property
     def sliding_window(self) -> int | None:
-        """Mistral's attention window (every layer), or None for full attention."""
+        """Mistral's (and Mixtral's) attention window (every layer), or None for full attention."""
         return self.args.sliding_window
 
     @property

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.qwen_moe import QwenMoeForCausalLM
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -12,7 +14,27 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
 }
+
+
+def choose_model_impl(config, model_impl: str) -> str:  # type: ignore[no-untyped-def]
+    """``"native"`` or ``"transformers"`` for ``model_impl`` (``auto``, ``native``, ``transformers``).
+
+    ``auto`` is native when this registry has the architecture, else transformers; ``native`` for an
+    architecture it lacks raises the ValueError of ``resolve_model_class``, which names it.
+    """
+    if model_impl == "transformers":
+        return "transformers"
+    try:
+        resolve_model_class(config)
+    except ValueError:
+        if model_impl == "native":
+            raise
+        return "transformers"
+    return "native"
 
 
 def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
-from tokenmill.models.registry import resolve_model_class
+from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, make_generator
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs
@@ -49,20 +49,33 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
 
         start = time.perf_counter()
-        model_class = resolve_model_class(source.hf_config)
-        with torch.device(self.device):
-            self.model = model_class(source.hf_config, self.dtype)  # type: ignore[call-arg]
-        self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
-        self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
-        self.model.eval()
-        for module in self.model.modules():
-            prepare = getattr(module, "prepare_for_inference", None)
-            if prepare is not None:
-                prepare()
+        self.model_impl = choose_model_impl(source.hf_config, config.model.model_impl)
+        self.model: torch.nn.Module
+        if self.model_impl == "transformers":
+            # Imported here: transformers' modelling machinery takes seconds to import.
+            from tokenmill.models.transformers_fallback import load_transformers_model
+
+            self.model = load_transformers_model(
+                source.path, source.format, source.hf_config, self.dtype, self.device
+            )
+            description = f"transformers {type(self.model.hf_model).__name__} over paged attention"
+        else:
+            model_class = resolve_model_class(source.hf_config)
+            with torch.device(self.device):
+                self.model = model_class(source.hf_config, self.dtype)  # type: ignore[call-arg]
+            self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
+            self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
+            self.model.eval()
+            for module in self.model.modules():
+                prepare = getattr(module, "prepare_for_inference", None)
+                if prepare is not None:
+                    prepare()
+            description = f"native {model_class.__name__}"
         logger.info(
-            "model %s (%s, %s) ready in %.1f s",
+            "model %s (%s implementation: %s, %s) ready in %.1f s",
             source.name,
-            model_class.__name__,
+            self.model_impl,
+            description,
             self.dtype,
             time.perf_counter() - start,
         )
@@ -104,8 +117,7 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
-        hidden = self.model(batch)  # [num_tokens, hidden_size]
-        logits = self.model.compute_logits(hidden[batch.logits_rows])  # type: ignore[operator]
+        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] float32
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
         if num_sampling:
@@ -118,6 +130,15 @@ class ModelRunner:
             ids, logprobs, ranks = compute_prompt_logprobs(rows, target_tensor, num_top)
             output.prompt_logprobs[request_id] = _to_position_logprobs(ids, logprobs, ranks, num_top)
         return output
+
+    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits for ``batch.logits_rows``. A native model returns every token's hidden state and
+        projects only those rows; the transformers fallback runs its model's own head (which may
+        post-process logits) on those rows inside its forward."""
+        if self.model_impl == "transformers":
+            return self.model.forward_logits(batch)  # type: ignore[operator]
+        hidden = self.model(batch)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(hidden[batch.logits_rows])  # type: ignore[operator]
 
     def _sample(
         self, logits: torch.Tensor, entries: list[ScheduledRequest], output: ModelRunnerOutput

@@ -63,7 +63,8 @@ class ModelConfig:
     takes the model's own limit. ``model_impl`` chooses the model code: ``native`` (ours; an
     architecture we lack is a ValueError), ``transformers`` (transformers' modelling code over our
     paged KV cache, for any architecture it can route), ``auto`` (native when we have it, else
-    transformers).
+    transformers). ``quantization`` is None (weights as loaded) or ``int8`` (opt-in weight-only int8
+    for the native models' linear layers on CPU in bfloat16; see layers/quantization.py).
     """
 
     model: str = "smollm2-135m"
@@ -73,6 +74,7 @@ class ModelConfig:
     device: str = "cpu"
     served_model_name: str | None = None
     model_impl: str = "auto"
+    quantization: str | None = None
 
 
 @dataclass

@@ -119,6 +119,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=list(MODEL_IMPLS),
         help="native (ours), transformers (its model code over our paged KV cache), auto (native if we have it)",
     )
+    model.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="opt-in weight-only int8 linear layers (CPU, bfloat16); see docs/performance.md for its quality",
+    )
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -207,6 +213,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "device": args.device,
         "model_impl": args.model_impl,
+        "quantization": args.quantization,
         "num_threads": args.num_threads,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.quantization import INT8_MAX_ROWS, dequantize_int8_rows, int8_linear, quantize_int8_rows
 
 
 class VocabEmbedding(nn.Module):
@@ -39,17 +40,40 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
         self.packed_weight: torch.Tensor | None = None
+        self.int8_weight: torch.Tensor | None = None
+        self.int8_scales: torch.Tensor | None = None
+        self.dequantized_weight: torch.Tensor | None = None
+
+    def quantize_weights(self, kind: str) -> None:
+        """Int8 projection weights (layers/quantization.py). The float weight is left alone (a tied one
+        is also the embedding table, which stays exact); large batches project with a dequantized
+        copy, so every batch size computes logits with the same quantized values."""
+        assert kind == "int8", kind
+        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        self.int8_weight, self.int8_scales = quantize_int8_rows(weight.data)
+        self.dequantized_weight = dequantize_int8_rows(self.int8_weight, self.int8_scales)
+
+    def _projection_weight(self) -> torch.Tensor:
+        if self.dequantized_weight is not None:
+            return self.dequantized_weight
+        return self.tied_to.weight if self.tied_to is not None else self.weight
 
     def prepare_for_inference(self) -> None:
         """Keep a CPU-packed copy of the projection (see layers/cpu_gemm.py); redo after weight changes."""
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        weight = self._projection_weight()
         self.packed_weight = pack_weight(weight.data) if packing_available(weight) else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if (
+            self.int8_weight is not None
+            and self.int8_scales is not None
+            and 0 < hidden.shape[0] <= INT8_MAX_ROWS
+            and hidden.dtype == self.int8_scales.dtype
+        ):
+            return int8_linear(hidden, self.int8_weight, self.int8_scales, None).float()  # [num_rows, vocab]
         if self.packed_weight is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
             return packed_linear(hidden, self.packed_weight, None).float()  # [num_rows, vocab_size]
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return F.linear(hidden, weight).float()  # [num_rows, vocab_size]
+        return F.linear(hidden, self._projection_weight()).float()  # [num_rows, vocab_size]
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if self.tied_to is not None:

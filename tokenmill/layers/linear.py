@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.quantization import INT8_MAX_ROWS, dequantize_int8_rows, int8_linear, quantize_int8_rows
 
 
 def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -28,8 +29,9 @@ def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 class LinearBase(nn.Module):
     """A weight ``[out_features, in_features]`` and optional bias; ``forward`` is ``x @ W.T + b``.
 
-    After loading, ``prepare_for_inference`` may keep a CPU-packed copy of the weight (bfloat16 on
-    oneDNN builds); it must be called again whenever the weight changes.
+    After loading, ``quantize_weights("int8")`` (opt-in) replaces the weight by its int8 rounding and
+    keeps the int8 copy for small batches; ``prepare_for_inference`` may keep a CPU-packed copy of the
+    weight (bfloat16 on oneDNN builds). Both must be called again whenever the weight changes.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -41,11 +43,28 @@ class LinearBase(nn.Module):
             nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed_weight: torch.Tensor | None = None
+        self.int8_weight: torch.Tensor | None = None  # [out_features, in_features] int8
+        self.int8_scales: torch.Tensor | None = None  # [out_features]
+
+    def quantize_weights(self, kind: str) -> None:
+        """Weight-only quantization (``int8``, see layers/quantization.py); the float weight becomes the
+        dequantized one so every path computes with the same values."""
+        assert kind == "int8", kind
+        self.int8_weight, self.int8_scales = quantize_int8_rows(self.weight.data)
+        self.weight.data.copy_(dequantize_int8_rows(self.int8_weight, self.int8_scales))
 
     def prepare_for_inference(self) -> None:
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (
+            self.int8_weight is not None
+            and self.int8_scales is not None
+            and x.dim() == 2
+            and 0 < x.shape[0] <= INT8_MAX_ROWS
+            and x.dtype == self.int8_scales.dtype
+        ):
+            return int8_linear(x, self.int8_weight, self.int8_scales, bias)
         if self.packed_weight is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0]:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
 from tokenmill.models.registry import choose_model_impl, resolve_model_class
@@ -58,6 +59,11 @@ class ModelRunner:
             self.model = load_transformers_model(
                 source.path, source.format, source.hf_config, self.dtype, self.device
             )
+            if config.model.quantization is not None:
+                raise ValueError(
+                    f"quantization {config.model.quantization!r} is not supported with the transformers "
+                    "implementation; use model_impl='native' or no quantization"
+                )
             description = f"transformers {type(self.model.hf_model).__name__} over paged attention"
         else:
             model_class = resolve_model_class(source.hf_config)
@@ -66,11 +72,14 @@ class ModelRunner:
             self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
+            quantized = self._quantize(config.model.quantization)
             for module in self.model.modules():
                 prepare = getattr(module, "prepare_for_inference", None)
                 if prepare is not None:
                     prepare()
-            description = f"native {model_class.__name__}"
+            description = f"native {model_class.__name__}" + (
+                f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
+            )
         logger.info(
             "model %s (%s implementation: %s, %s) ready in %.1f s",
             source.name,
@@ -107,6 +116,19 @@ class ModelRunner:
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+
+    def _quantize(self, kind: str | None) -> int:
+        """Quantize every layer that supports it; returns how many did (0 without quantization)."""
+        check_quantization(kind, self.dtype, self.device)
+        if kind is None:
+            return 0
+        count = 0
+        for module in self.model.modules():
+            quantize = getattr(module, "quantize_weights", None)
+            if quantize is not None:
+                quantize(kind)
+                count += 1
+        return count
 
     # ------------------------------------------------------------------ one step
 

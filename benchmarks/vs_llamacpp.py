@@ -1,0 +1,179 @@
+"""tokenmill vs llama.cpp on the CPU workloads of issue 5, side by side in one run.
+
+Workloads (SmolLM2-135M, 128-token prompts and outputs, EOS ignored):
+
+- single-stream decode: one sequence; tokenmill's decode rate vs ``llama-bench -p 0 -n 128``
+- 64-sequence decode: tokenmill's decode rate with 64 sequences vs ``llama-batched-bench`` S_TG at
+  npl 64
+- prefill: prompt tokens/s (64 prompts) vs the best of ``llama-bench -p 128`` and batched-bench S_PP
+- server, 16 concurrent: ``tokenmill bench serve`` (ShareGPT) against ``tokenmill serve`` and
+  ``llama-server``
+
+llama.cpp runs on each of its weight files (the bundled Q4_1, and Q8_0 / BF16 copies made with
+llama-quantize, cached in ~/.cache/tokenmill-bench); its best is the comparison. Every figure is the
+median of ``--repeats`` runs. Runs are sequential: never run another benchmark at the same time.
+
+    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin .venv/bin/python benchmarks/vs_llamacpp.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from peers import (
+    bundled_gguf,
+    cpu_name,
+    git_describe,
+    llama_cpp_tool,
+    llama_server,
+    requantized,
+    run_bench,
+    summary,
+    tokenmill_server,
+)
+
+TARGETS = {"single-stream decode": 1.0, "64-seq decode": 2.0, "prefill": 1.5, "server 16 conc": 2.0}
+
+
+def tokenmill_offline(args: argparse.Namespace) -> dict[str, float]:
+    """Decode and prefill rates of the offline engine, in tokens/s (medians over repeats)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(
+        "smollm2-135m",
+        dtype=args.dtype,
+        quantization=args.quantization,
+        enable_prefix_caching=False,
+        max_num_seqs=max(64, args.batch),
+    )
+
+    def prompts(count: int, salt: int) -> list[dict[str, list[int]]]:
+        return [
+            {"prompt_token_ids": [100 + (salt * 7919 + i * 131 + j) % 40000 for j in range(128)]}
+            for i in range(count)
+        ]
+
+    def timed(count: int, max_tokens: int, salt: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts(count, salt), params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(4, 8, 0)  # warm-up
+    results: dict[str, list[float]] = {"single-stream decode": [], "64-seq decode": [], "prefill": []}
+    for repeat in range(args.repeats):
+        for count, name in ((1, "single-stream decode"), (args.batch, "64-seq decode")):
+            prefill_s = timed(count, 1, 2 * repeat + count)
+            total_s = timed(count, args.output_len, 2 * repeat + count)
+            results[name].append(count * (args.output_len - 1) / (total_s - prefill_s))
+            if count == args.batch:
+                results["prefill"].append(count * 128 / prefill_s)
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def llama_bench(binary: str, gguf: str, repeats: int) -> dict[str, float]:
+    threads = str(os.cpu_count() or 2)
+    command = [binary, "-m", gguf, "-t", threads, "-p", "128", "-n", "128", "-r", str(repeats), "-o", "json"]
+    rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    out: dict[str, float] = {}
+    for row in rows:
+        name = "prefill" if row["n_prompt"] else "single-stream decode"
+        out[name] = float(row["avg_ts"])
+    return out
+
+
+def llama_batched(binary: str, gguf: str, batch: int, output_len: int, repeats: int) -> dict[str, float]:
+    threads = str(os.cpu_count() or 2)
+    command = [binary, "-m", gguf, "-t", threads, "-c", str(batch * (128 + output_len) + 256)]
+    command += ["-b", "2048", "-ub", "512", "-npp", "128", "-ntg", str(output_len), "-npl", str(batch)]
+    command += ["--output-format", "jsonl"]
+    decode, prefill = [], []
+    for _ in range(repeats):
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        row = next(json.loads(line) for line in out.splitlines() if line.startswith("{"))
+        decode.append(float(row["speed_tg"]))
+        prefill.append(float(row["speed_pp"]))
+    return {"64-seq decode": statistics.median(decode), "prefill": statistics.median(prefill)}
+
+
+def server_rate(url: str, label: str, args: argparse.Namespace) -> float:
+    bench_args = [
+        "--dataset", "sharegpt", "--num-prompts", str(args.server_prompts),
+        "--max-concurrency", "16", "--output-len", "128", "--ignore-eos",
+        "--endpoint", "completions", "--num-warmups", "2",
+    ]  # fmt: skip
+    return float(summary(run_bench(url, label, bench_args))["output_tok_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--server-prompts", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="tokenmill weight quantization (e.g. int8)")
+    parser.add_argument("--weights", default="Q4_1,Q8_0,BF16", help="llama.cpp weight files to try")
+    parser.add_argument("--skip-server", action="store_true")
+    args = parser.parse_args()
+
+    print(
+        f"{cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'no quantization'})"
+    )
+    ours = tokenmill_offline(args)
+    if not args.skip_server:
+        extra = ["--dtype", args.dtype] + (["--quantization", args.quantization] if args.quantization else [])
+        with tokenmill_server("smollm2-135m", extra) as url:
+            ours["server 16 conc"] = server_rate(url, "tokenmill", args)
+
+    gguf = bundled_gguf()
+    files = {"Q4_1": gguf}
+    quantize = llama_cpp_tool("llama-quantize", None)
+    for kind in args.weights.split(","):
+        if kind != "Q4_1" and quantize is not None:
+            files[kind] = requantized(gguf, quantize, kind, Path.home() / ".cache/tokenmill-bench")
+    peer: dict[str, dict[str, float]] = {}  # workload -> weights -> tokens/s
+    bench_bin = llama_cpp_tool("llama-bench", None)
+    batched_bin = llama_cpp_tool("llama-batched-bench", None)
+    server_bin = llama_cpp_tool("llama-server", None)
+    for kind, path in files.items():
+        figures: dict[str, Any] = {}
+        if bench_bin:
+            figures.update(llama_bench(bench_bin, path, args.repeats))
+        if batched_bin:
+            batched = llama_batched(batched_bin, path, args.batch, args.output_len, args.repeats)
+            figures["64-seq decode"] = batched["64-seq decode"]
+            figures["prefill"] = max(figures.get("prefill", 0.0), batched["prefill"])
+        if server_bin and not args.skip_server:
+            with llama_server(server_bin, path, 16, 2048, ["--no-cache-prompt"]) as url:
+                figures["server 16 conc"] = server_rate(url, f"llama-server {kind}", args)
+        for name, value in figures.items():
+            peer.setdefault(name, {})[kind] = value
+
+    print(f"\n{'workload':24}{'tokenmill':>12}{'llama.cpp best':>22}{'ratio':>8}{'target':>8}  all llama.cpp")
+    for name, target in TARGETS.items():
+        if name not in ours:
+            continue
+        by_kind = peer.get(name, {})
+        if not by_kind:
+            print(f"{name:24}{ours[name]:12.1f}{'(no llama.cpp)':>22}")
+            continue
+        best_kind = max(by_kind, key=lambda k: by_kind[k])
+        ratio = ours[name] / by_kind[best_kind]
+        others = ", ".join(f"{k} {v:.0f}" for k, v in by_kind.items())
+        verdict = "met" if ratio >= target else "NOT met"
+        best = f"{by_kind[best_kind]:.1f} ({best_kind})"
+        print(f"{name:24}{ours[name]:12.1f}{best:>22}{ratio:7.2f}x{target:6.1f}x {verdict}  {others}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Weight-only int8 quantization for CPU linear layers (opt-in: ``--quantization int8``).
+
+Each output row of a weight gets one symmetric scale (``max |w| / 127``) and int8 values. Decoding
+one or a few sequences is a stream over the weights, so halving their bytes nearly halves the time of
+those steps; torch's ``_weight_int8pack_mm`` does that product. Large batches are compute-bound and
+that kernel is slow there, so they use the oneDNN bfloat16 path on the *dequantized* weights: every
+batch size computes with the same (quantized) weight values, so outputs do not depend on which path
+a step took. Quality against bfloat16 is measured by ``benchmarks/quantization_quality.py`` and
+reported in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANTIZATIONS = ("int8",)
+
+# Up to this many rows a step uses the int8 kernel; above it the bfloat16 GEMM is faster.
+INT8_MAX_ROWS = 16
+
+
+def check_quantization(kind: str | None, dtype: torch.dtype, device: torch.device) -> None:
+    """ValueError unless ``kind`` is None or a supported quantization for this dtype and device."""
+    if kind is None:
+        return
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {kind!r}; choose one of {QUANTIZATIONS}")
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(f"quantization {kind!r} needs dtype bfloat16 on CPU, got {dtype} on {device.type}")
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8: ``(qweight [out, in] int8, scales [out] in weight's dtype)``.
+
+    ``qweight * scales[:, None]`` approximates ``weight``; an all-zero row gets scale 1.
+    """
+    rows = weight.float()  # [out_features, in_features]
+    scales = rows.abs().amax(dim=1) / 127.0  # [out_features]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    # Round the scales to the activation dtype first: the kernel multiplies by the rounded value.
+    scales = scales.to(weight.dtype)
+    qweight = torch.round(rows / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight, scales
+
+
+def dequantize_int8_rows(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight the int8 kernel computes with, in the scales' dtype."""
+    return (qweight.float() * scales.float()[:, None]).to(scales.dtype)  # [out_features, in_features]
+
+
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ (qweight * scales).T + bias`` for ``x`` ``[rows, in_features]`` in the scales' dtype."""
+    out = torch._weight_int8pack_mm(x, qweight, scales)  # [rows, out_features]
+    return out if bias is None else out + bias

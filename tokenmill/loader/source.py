@@ -8,6 +8,7 @@ model fails at startup) and leaves tokenizer and weights to be loaded on demand.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,8 +16,11 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from tokenmill.loader import gguf_loader, hf_loader
+from tokenmill.config import gguf_conversion_enabled
+from tokenmill.loader import converted_cache, gguf_loader, hf_loader
 from tokenmill.loader.bundled import BUNDLED_MODELS, bundled_names, locate_bundled
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("hf", "gguf")
 
@@ -97,7 +101,35 @@ def resolve_model(name_or_path: str) -> ModelSource:
     fmt, path = _format_of(_locate(name_or_path))
     if fmt == "gguf":
         gguf_loader.check_supported(path)
+        if gguf_conversion_enabled():
+            folder = _converted(path)
+            if folder is not None:
+                return ModelSource(
+                    name=name_or_path, path=folder, format="hf", hf_config=hf_loader.load_config(folder)
+                )
         config = gguf_loader.load_config(path)
     else:
         config = hf_loader.load_config(path)
     return ModelSource(name=name_or_path, path=path, format=fmt, hf_config=config)
+
+
+def _converted(gguf_path: str) -> str | None:
+    """The converted folder of a GGUF file, converting it now if needed (see converted_cache.py);
+    None when the cache cannot be written, in which case the GGUF is read directly."""
+    folder = converted_cache.cached_folder(gguf_path)
+    if folder is not None:
+        logger.info("loading %s from its converted copy %s", gguf_path, folder)
+        return folder
+    gguf = ModelSource(
+        name=gguf_path, path=gguf_path, format="gguf", hf_config=gguf_loader.load_config(gguf_path)
+    )
+    try:
+        tokenizer = gguf.load_tokenizer()
+    except Exception as exc:  # a GGUF without a usable tokenizer: keep the GGUF path, which reports it
+        logger.info("not converting %s: its tokenizer does not load (%s)", gguf_path, exc)
+        return None
+    try:
+        return converted_cache.convert(gguf_path, gguf.hf_config, tokenizer, gguf.iter_weights())
+    except OSError as exc:
+        logger.warning("could not cache the converted GGUF (%s); reading the GGUF directly", exc)
+        return None

@@ -100,6 +100,13 @@ def resolve_model(name_or_path: str) -> ModelSource:
     """
     fmt, path = _format_of(_locate(name_or_path))
     if fmt == "gguf":
+        # The converted folder first: checking the GGUF itself means parsing its metadata (seconds).
+        cached = converted_cache.cached_folder(path) if gguf_conversion_enabled() else None
+        if cached is not None:
+            logger.info("loading %s from its converted copy %s", path, cached)
+            return ModelSource(
+                name=name_or_path, path=cached, format="hf", hf_config=hf_loader.load_config(cached)
+            )
         gguf_loader.check_supported(path)
         if gguf_conversion_enabled():
             folder = _converted(path)
@@ -114,12 +121,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 
 def _converted(gguf_path: str) -> str | None:
-    """The converted folder of a GGUF file, converting it now if needed (see converted_cache.py);
-    None when the cache cannot be written, in which case the GGUF is read directly."""
-    folder = converted_cache.cached_folder(gguf_path)
-    if folder is not None:
-        logger.info("loading %s from its converted copy %s", gguf_path, folder)
-        return folder
+    """Convert a GGUF file into its cached folder (see converted_cache.py) and return the folder;
+    None when that is not possible, in which case the GGUF is read directly."""
     gguf = ModelSource(
         name=gguf_path, path=gguf_path, format="gguf", hf_config=gguf_loader.load_config(gguf_path)
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -62,6 +64,17 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer, zero-filled."""
+    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer, zero-filled.
+
+    On CPU the tensors are views of one anonymous memory map: the kernel hands out zero pages on first
+    touch, so start-up does not spend seconds writing zeros over gigabytes, and resident memory grows
+    with the blocks actually used.
+    """
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    per_layer = math.prod(shape)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    memory = mmap.mmap(-1, max(num_layers * per_layer * element_size, 1))
+    flat = torch.frombuffer(memory, dtype=dtype, count=num_layers * per_layer)  # keeps `memory` alive
+    return [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(num_layers)]

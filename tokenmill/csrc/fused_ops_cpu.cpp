@@ -13,8 +13,11 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "vec16.h"
 
 namespace tokenmill {
 namespace {
@@ -148,28 +151,38 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 }
 
 // out = silu(gate).to(T) * up for x = [gate | up] along the last dim (transformers' LlamaMLP).
+template <typename T>
+void silu_and_mul_rows(const T* xp, int64_t x_stride, T* op, int64_t rows, int64_t size) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    float exp_neg[vec::kLanes];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * x_stride;
+      const T* up = gate + size;
+      T* o = op + r * size;
+      for (int64_t i = 0; i < size; i += vec::kLanes) {
+        const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, size - i));
+        vec::store(exp_neg, vec::exp(vec::mul(vec::load(gate + i, n), vec::splat(-1.0f))), n);
+        for (int j = 0; j < n; ++j) {
+          const float g = static_cast<float>(gate[i + j]);
+          const float act = round_to<T>(g / (1.0f + exp_neg[j]));
+          o[i + j] = static_cast<T>(act * static_cast<float>(up[i + j]));
+        }
+      }
+    }
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
   const int64_t rows = x.size(0), size = x.size(1) / 2;
   at::Tensor out = at::empty({rows, size}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t xs = x.stride(0);
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gate = xp + r * xs;
-        const scalar_t* up = gate + size;
-        scalar_t* o = op + r * size;
-        for (int64_t i = 0; i < size; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          const float act = round_to<scalar_t>(g / (1.0f + std::exp(-g)));
-          o[i] = static_cast<scalar_t>(act * static_cast<float>(up[i]));
-        }
-      }
-    });
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_and_mul_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), out.data_ptr<c10::BFloat16>(), rows, size);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_and_mul supports bfloat16 and float32, got ", x.scalar_type());
+    silu_and_mul_rows(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), rows, size);
+  }
   return out;
 }
 

@@ -34,13 +34,23 @@ def attention_backend_choice() -> str:
     return value
 
 
-def extension_cache_dir() -> str:
-    """Where compiled C++ kernels are cached: ``$TOKENMILL_CACHE_DIR/extensions``, by default
-    ``$XDG_CACHE_HOME/tokenmill/extensions`` (``~/.cache/tokenmill/extensions``)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+def cache_root() -> str:
+    """tokenmill's cache folder: ``$TOKENMILL_CACHE_DIR``, by default ``$XDG_CACHE_HOME/tokenmill``
+    (``~/.cache/tokenmill``)."""
+    return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
     )
-    return os.path.join(root, "extensions")
+
+
+def extension_cache_dir() -> str:
+    """Where compiled C++ kernels are cached: ``<cache_root()>/extensions``."""
+    return os.path.join(cache_root(), "extensions")
+
+
+def model_cache_dir() -> str:
+    """Where model files tokenmill derives are cached: ``<cache_root()>/models`` (bundled GGUF files
+    assembled from chunk packages, the config and tokenizer converted from a GGUF's metadata)."""
+    return os.path.join(cache_root(), "models")
 
 
 @dataclass

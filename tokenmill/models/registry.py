@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
@@ -12,6 +13,7 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -26,6 +28,8 @@ def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-d
         "phi3",
     ):
         return LlamaForCausalLM  # GGUF-derived configs carry a model_type but no architectures
+    if not architectures and getattr(config, "model_type", None) == "gemma3_text":
+        return Gemma3ForCausalLM
     for arch in architectures:
         if arch in NATIVE_MODELS:
             return NATIVE_MODELS[arch]

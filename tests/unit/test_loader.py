@@ -390,3 +390,42 @@ def test_unknown_gguf_tensor_name_is_an_error() -> None:
     assert gguf_loader.hf_name("rope_freqs.weight", rules) is None
     with pytest.raises(ValueError, match="blk.0.mystery"):
         gguf_loader.hf_name("blk.0.mystery.weight", rules)
+
+
+def test_gguf_index_matches_gguf_reader(tmp_path: Path) -> None:
+    """Our header index skips array metadata but reads scalars, strings and tensors as GGUFReader does."""
+    from tokenmill.loader.gguf_index import GGUFIndex
+
+    path = tmp_path / "index.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(3)
+    writer.add_string("general.name", "tïny ✓")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "", "ünï"] * 50)
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.25] * 30)
+    writer.add_float64("test.f64", 2.5)
+    writer.add_bool("test.flag", True)
+    writer.add_int64("test.i64", -7)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("a.weight", rng.standard_normal((3, 64), dtype=np.float32))
+    writer.add_tensor("b.weight", rng.standard_normal((5,), dtype=np.float32).astype(np.float16))
+    q8 = quantize(rng.standard_normal((2, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("c.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    index, reader = GGUFIndex(str(path)), gguf.GGUFReader(str(path))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue  # the reader's pseudo-fields for the header (version, counts)
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert key not in index.fields
+        else:
+            assert index.fields[key] == field.contents(), key
+    assert index.fields["general.name"] == "tïny ✓" and index.fields["test.i64"] == -7
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.data.shape == theirs.data.shape and np.array_equal(ours.data, theirs.data)

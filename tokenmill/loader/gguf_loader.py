@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.config import model_cache_dir
+from tokenmill.loader.gguf_index import GGUFIndex, IndexedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +91,20 @@ _ARCHITECTURES: dict[str, _ArchRules] = {
 
 
 @functools.lru_cache(maxsize=1)
-def _open_reader(path: str, mtime_ns: int) -> GGUFReader:
-    # Parsing the header (tokenizer arrays included) takes seconds, and resolving, counting and
-    # loading all need it; mtime_ns is part of the key so a replaced file is read afresh.
-    return GGUFReader(path, "r")
+def _open_reader(path: str, mtime_ns: int) -> GGUFIndex:
+    # Resolving, counting and loading all need the header; mtime_ns is part of the key so a replaced
+    # file is read afresh.
+    return GGUFIndex(path)
 
 
-def open_reader(path: str) -> GGUFReader:
-    """A memory-mapped reader of ``path``; the most recent one is cached."""
+def open_reader(path: str) -> GGUFIndex:
+    """A memory-mapped index of ``path`` (scalar metadata and tensors); the most recent one is cached."""
     path = os.path.abspath(path)
     return _open_reader(path, os.stat(path).st_mtime_ns)
 
 
-def _field(reader: GGUFReader, key: str) -> object | None:
-    f = reader.get_field(key)
-    return None if f is None else f.contents()
+def _field(reader: GGUFIndex, key: str) -> object | None:
+    return reader.fields.get(key)
 
 
 def architecture(path: str) -> str:
@@ -205,7 +205,7 @@ def hf_name(gguf_name: str, rules: _ArchRules) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
 
 
-def _to_torch(tensor: ReaderTensor) -> torch.Tensor:
+def _to_torch(tensor: IndexedTensor) -> torch.Tensor:
     """Dequantize one tensor into a new (writable, file-independent) torch tensor in PyTorch shape.
 
     F32/F16/BF16 keep their dtype; every quantized type becomes float32.

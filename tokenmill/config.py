@@ -44,21 +44,28 @@ def fused_cpu_ops_enabled() -> bool:
     return value == "1"
 
 
-def _cache_root() -> str:
+def cache_root() -> str:
+    """tokenmill's cache folder: ``$TOKENMILL_CACHE_DIR``, by default ``$XDG_CACHE_HOME/tokenmill``
+    (``~/.cache/tokenmill``)."""
     return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"
     )
 
 
 def extension_cache_dir() -> str:
-    """Where compiled C++ kernels are cached: ``$TOKENMILL_CACHE_DIR/extensions``, by default
-    ``$XDG_CACHE_HOME/tokenmill/extensions`` (``~/.cache/tokenmill/extensions``)."""
-    return os.path.join(_cache_root(), "extensions")
+    """Where compiled C++ kernels are cached: ``<cache_root()>/extensions``."""
+    return os.path.join(cache_root(), "extensions")
+
+
+def model_cache_dir() -> str:
+    """Where model files tokenmill derives are cached: ``<cache_root()>/models`` (bundled GGUF files
+    assembled from chunk packages, the config and tokenizer converted from a GGUF's metadata)."""
+    return os.path.join(cache_root(), "models")
 
 
 def converted_cache_dir() -> str:
-    """Where GGUF models converted to Hugging Face folders are kept (``.../tokenmill/converted``)."""
-    return os.path.join(_cache_root(), "converted")
+    """Where GGUF models converted to Hugging Face folders are kept (``<model_cache_dir()>/converted``)."""
+    return os.path.join(model_cache_dir(), "converted")
 
 
 def gguf_conversion_enabled() -> bool:

@@ -69,10 +69,12 @@ def build_step(
         offsets.append(sum(len(e.token_ids) for e in entries))
         entries.append(SimpleNamespace(token_ids=[0] * n, start_position=start, block_table=table))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), sliding_window=window)
+    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
     decode = [i for i, (_, n) in enumerate(spans) if n == 1]
     prefill = [i for i, (_, n) in enumerate(spans) if n > 1]
-    groups = [ModelRunner._build_group(runner, entries, offsets, idx) for idx in (decode, prefill) if idx]  # type: ignore[arg-type]
+    groups = [
+        ModelRunner._build_group(runner, entries, offsets, idx, window) for idx in (decode, prefill) if idx
+    ]  # type: ignore[arg-type]
     metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
 
     num_tokens = len(slots)

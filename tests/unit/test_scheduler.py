@@ -68,8 +68,11 @@ class Harness:
         budget: int = 64,
         max_num_seqs: int = 64,
         prefix_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=prefix_caching, sliding_window=sliding_window
+        )
         config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
         self.scheduler = Scheduler(config, self.kv, MAX_MODEL_LEN)
         self.runner = FakeRunner(block_size)

@@ -53,7 +53,10 @@ class EngineCore:
         self.executor = InProcessExecutor(config, source)
         block_size = config.cache.block_size
         self.kv_manager = KVCacheManager(
-            self.executor.num_blocks, block_size, config.cache.enable_prefix_caching
+            self.executor.num_blocks,
+            block_size,
+            config.cache.enable_prefix_caching,
+            sliding_window=self.executor.kv_window,
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)

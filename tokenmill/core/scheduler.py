@@ -415,6 +415,7 @@ class Scheduler:
                 request.pending_prompt_logprobs.extend(chunk_logprobs)
                 request.num_prompt_logprobs_done += len(chunk_logprobs)
             self.kv.cache_computed_blocks(request)
+            self.kv.release_out_of_window_blocks(request)
             if not entry.sample:
                 continue
             token = result.sampled_token_ids[entry.request_id]

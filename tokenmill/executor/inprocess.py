@@ -18,5 +18,10 @@ class InProcessExecutor:
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
+    @property
+    def kv_window(self) -> int | None:
+        """Trailing positions every layer attends to (None: some layer sees the whole sequence)."""
+        return self.runner.kv_window
+
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(plan)

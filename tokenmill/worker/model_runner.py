@@ -113,7 +113,15 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
         )
+        # The model-wide window (Mistral: every layer) and each layer's own (Gemma 3 mixes sliding
+        # and global layers); one attention metadata is built per distinct window.
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
+        self.layer_sliding_windows: list[int | None] = list(
+            getattr(self.model, "layer_sliding_windows", None) or [self.sliding_window]
+        )
+        # What the KV manager may release: blocks outside the widest window, when no layer is global.
+        windows = self.layer_sliding_windows
+        self.kv_window: int | None = None if None in windows else max(w for w in windows if w is not None)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -222,7 +230,14 @@ class ModelRunner:
 
         decode = [i for i, e in enumerate(entries) if len(e.token_ids) == 1]
         prefill = [i for i, e in enumerate(entries) if len(e.token_ids) > 1]
-        groups = [self._build_group(entries, offsets, idx) for idx in (decode, prefill) if idx]
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        attn_by_window = {
+            window: AttentionMetadata(
+                slot_mapping=slot_mapping,
+                groups=[self._build_group(entries, offsets, idx, window) for idx in (decode, prefill) if idx],
+            )
+            for window in dict.fromkeys(self.layer_sliding_windows)
+        }
 
         sample_entries: list[ScheduledRequest] = []
         sample_rows: list[int] = []
@@ -243,18 +258,26 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            attn=AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), groups=groups
-            ),
+            attn=attn_by_window.get(self.sliding_window) or next(iter(attn_by_window.values())),
             kv_caches=self.kv_caches,
             logits_rows=torch.tensor(sample_rows + prompt_row_ids, dtype=torch.long, device=device),
+            attn_by_window=attn_by_window,
         )
         return batch, sample_entries, prompt_rows
 
     def _build_group(
-        self, entries: list[ScheduledRequest], offsets: list[int], members: list[int]
+        self,
+        entries: list[ScheduledRequest],
+        offsets: list[int],
+        members: list[int],
+        sliding_window: int | None,
     ) -> AttentionGroup:
-        """Padded gather indices and the causal mask for one group of sequences."""
+        """Padded gather indices and the causal mask for one group of sequences.
+
+        ``sliding_window`` (None: full attention) limits each query to that many trailing positions,
+        itself included. Block-table entries the KV manager released (negative: outside every
+        layer's window) read block 0 and are always masked out.
+        """
         bs = self.block_size
         device = self.device
         num_new = torch.tensor([len(entries[i].token_ids) for i in members], dtype=torch.long)  # [S]
@@ -266,7 +289,7 @@ class ModelRunner:
         tables = torch.zeros(len(members), max_blocks, dtype=torch.long)  # [S, max_blocks]
         for row, i in enumerate(members):
             table = entries[i].block_table[:max_blocks]
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long).clamp_(min=0)
 
         q_index = torch.arange(num_queries)  # [Q]
         valid = q_index[None, :] < num_new[:, None]  # [S, Q]
@@ -275,9 +298,9 @@ class ModelRunner:
         kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
         query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
         mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
-        if self.sliding_window is not None:
+        if sliding_window is not None:
             # A query sees only the last `sliding_window` positions, itself included.
-            mask &= key_index[None, None, :] > query_pos[:, :, None] - self.sliding_window
+            mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
         valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
         return AttentionGroup(
             query_rows=query_rows.to(device),
@@ -288,7 +311,7 @@ class ModelRunner:
             num_queries=num_queries,
             block_tables=tables.to(device),
             seq_lens=(starts + num_new).to(device),
-            sliding_window=self.sliding_window,
+            sliding_window=sliding_window,
         )
 
 

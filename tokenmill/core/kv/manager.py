@@ -4,6 +4,12 @@ Ownership rule: a request holds one pool reference on every block of its block t
 prefix blocks included); the radix tree holds one more on every block it caches. Freeing a request
 drops its references; blocks then stay cached in the tree until evicted. A request also locks the
 deepest tree node it uses so that eviction skips paths in use (evicting them would free nothing).
+
+Sliding windows: when every layer of the model attends only to the last ``sliding_window``
+positions, the leading blocks a running request's next queries can no longer see are released
+(their table entries become ``RELEASED_BLOCK``), so a long generation holds a bounded number of
+blocks. A request that released blocks no longer has its whole prefix, so it stops publishing
+blocks to the prefix cache (see ``release_out_of_window_blocks``).
 """
 
 from __future__ import annotations
@@ -18,17 +24,33 @@ from tokenmill.core.request import Request
 logger = logging.getLogger(__name__)
 
 
+# The table entry of a block released because it fell out of every layer's window; the model runner
+# reads such entries as block 0, and the attention mask never lets a query see them.
+RELEASED_BLOCK = -1
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 @dataclass
 class KVAllocation:
-    """A request's KV blocks: its block table and how much of it the radix tree already holds."""
+    """A request's KV blocks: its block table and how much of it the radix tree already holds.
+
+    The first ``num_released`` entries of ``block_ids`` are ``RELEASED_BLOCK``; ``detached`` is set
+    once the request released blocks under a prefix cache, after which it publishes nothing more.
+    """
 
     block_ids: list[int] = field(default_factory=list)
     locked_node: Any = None
     num_cached_blocks: int = 0
+    num_released: int = 0
+    detached: bool = False
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this allocation holds a pool reference on."""
+        return self.block_ids[self.num_released :]
 
 
 class KVCacheManager:
@@ -39,7 +61,18 @@ class KVCacheManager:
     once; ``cache_computed_blocks`` publishes a request's full, computed blocks to the prefix cache.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        """``sliding_window``: the number of trailing positions that every layer of the model attends
+        to (None when any layer attends to the whole sequence: then no block is ever released)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.radix: Any = None
@@ -70,6 +103,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._allocations[request_id].block_ids
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference on (its table minus released entries)."""
+        return len(self._allocations[request_id].held_block_ids)
 
     def has_allocation(self, request_id: str) -> bool:
         return request_id in self._allocations
@@ -122,6 +159,8 @@ class KVCacheManager:
         assert not allocation.block_ids, "share_prefix needs an empty allocation"
         source = self._allocations[source_id]
         num_shared = min(num_tokens // self.block_size, len(source.block_ids))
+        if source.num_released:
+            num_shared = 0  # the source no longer holds the start of the prefix: compute it afresh
         shared = source.block_ids[:num_shared]
         self.pool.incref(shared)
         allocation.block_ids = list(shared)
@@ -155,6 +194,8 @@ class KVCacheManager:
         if self.radix is None or request.wants_prompt_logprobs:
             return
         allocation = self._allocations[request.request_id]
+        if allocation.detached:
+            return
         num_full = min(request.num_computed_tokens // self.block_size, len(allocation.block_ids))
         if num_full <= allocation.num_cached_blocks:
             return
@@ -172,6 +213,42 @@ class KVCacheManager:
         allocation.locked_node = result.node
         allocation.num_cached_blocks = num_full
 
+    def release_out_of_window_blocks(self, request: Request) -> int:
+        """Release the leading blocks that no layer's window can reach any more; returns how many.
+
+        Call after ``request.num_computed_tokens`` advanced (and after ``cache_computed_blocks``). Its
+        next query sits at position ``num_computed_tokens`` and sees positions from
+        ``num_computed_tokens - sliding_window + 1`` on, so every block wholly before that is released:
+        the request drops its reference (a block the prefix tree also holds stays cached there).
+
+        Under a prefix cache, releasing waits until the whole prompt is computed, so the prompt's full
+        blocks reach the tree first; then the request unlocks its tree path (a prefix whose first
+        blocks it no longer holds is not its to pin) and publishes nothing more: a later block cannot
+        be inserted without the blocks before it. Requests with prompt logprobs never touch the tree.
+        Does nothing when the model has a global layer (``sliding_window`` None).
+        """
+        if self.sliding_window is None:
+            return 0
+        allocation = self._allocations.get(request.request_id)
+        if allocation is None:
+            return 0
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        num_releasable = min(max(first_visible, 0) // self.block_size, len(allocation.block_ids))
+        if num_releasable <= allocation.num_released:
+            return 0
+        if self.radix is not None and not request.wants_prompt_logprobs:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                return 0
+            if allocation.locked_node is not None:
+                self.radix.unlock(allocation.locked_node)
+                allocation.locked_node = None
+            allocation.detached = True
+        start = allocation.num_released
+        self.pool.free(allocation.block_ids[start:num_releasable])
+        allocation.block_ids[start:num_releasable] = [RELEASED_BLOCK] * (num_releasable - start)
+        allocation.num_released = num_releasable
+        return num_releasable - start
+
     def free(self, request_id: str) -> None:
         """Drop the request's references and lock; its cached blocks stay in the tree."""
         allocation = self._allocations.pop(request_id, None)
@@ -179,7 +256,7 @@ class KVCacheManager:
             return
         if allocation.locked_node is not None:
             self.radix.unlock(allocation.locked_node)
-        self.pool.free(allocation.block_ids)
+        self.pool.free(allocation.held_block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; False if requests still hold tree nodes."""
@@ -198,7 +275,12 @@ class KVCacheManager:
             self.pool.check_integrity()
         expected = [0] * self.pool.num_blocks
         for allocation in self._allocations.values():
-            for b in allocation.block_ids:
+            released = allocation.block_ids[: allocation.num_released]
+            if any(b != RELEASED_BLOCK for b in released) or RELEASED_BLOCK in allocation.held_block_ids:
+                raise AssertionError(
+                    f"released entries are not exactly the table's first {allocation.num_released}"
+                )
+            for b in allocation.held_block_ids:
                 expected[b] += 1
         if self.radix is not None:
             for b in self.radix.cached_block_ids():

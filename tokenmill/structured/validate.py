@@ -7,7 +7,7 @@ does the expensive compilation against the vocabulary.
 
 from __future__ import annotations
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.manager import check_combination
 
 
@@ -16,7 +16,12 @@ def validate_structured_outputs(params: SamplingParams) -> None:
     if params.structured_outputs is None:
         return
     check_combination(params)
+    validate_constraint(params.structured_outputs)
+
+
+def validate_constraint(constraint: StructuredOutputsParams) -> None:
+    """Raise ValueError naming the problem if the constraint does not parse into a grammar."""
     # Imported here: xgrammar loads a native library, which requests without constraints never need.
     from tokenmill.structured.xgrammar_backend import build_grammar
 
-    build_grammar(params.structured_outputs)
+    build_grammar(constraint)

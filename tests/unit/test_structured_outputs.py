@@ -280,3 +280,44 @@ def test_token_bitmask_touches_only_the_given_rows() -> None:
     allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
     assert allowed == [0, 31, 33]
     assert torch.equal(out[1, allowed], original[1, allowed])
+
+
+def test_a_compiling_grammar_does_not_hold_up_the_batch(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures import Future
+
+    from tokenmill.core.request import RequestStatus
+    from tokenmill.protocol import EngineCoreRequest
+
+    engine = llm.engine
+    constraint = StructuredOutputsParams(choice=["yes", "no"])
+    compiled = engine.structured.backend().compile(constraint)
+    gate: Future[Any] = Future()  # the compilation, finished when the test says so
+    monkeypatch.setattr(engine.structured, "_compile", lambda _: gate)
+    prompt = llm.get_tokenizer().encode("x")
+    waiting = SamplingParams(structured_outputs=constraint, seed=0, max_tokens=10)
+    free = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eos = [llm.get_tokenizer().eos_token_id]
+    engine.add_request(
+        EngineCoreRequest(request_id="w", prompt_token_ids=prompt, sampling_params=waiting, eos_token_ids=eos)
+    )
+    engine.add_request(
+        EngineCoreRequest(request_id="f", prompt_token_ids=prompt, sampling_params=free, eos_token_ids=eos)
+    )
+    tokens: dict[str, list[int]] = {"w": [], "f": []}
+    finished: dict[str, str] = {}
+
+    def step() -> None:
+        for output in engine.step().outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finished[output.request_id] = output.finish_reason
+
+    while "f" not in finished:
+        step()
+    assert len(tokens["f"]) == 3 and tokens["w"] == []
+    assert engine.scheduler.requests["w"].status == RequestStatus.WAITING
+    gate.set_result(compiled)
+    while engine.has_unfinished_requests():
+        step()
+    assert finished["w"] == "stop"
+    assert llm.get_tokenizer().decode(tokens["w"], skip_special_tokens=True) in ("yes", "no")

@@ -43,7 +43,7 @@ SCHEMAS: list[dict[str, Any]] = [
                 "minItems": 1,
                 "maxItems": 3,
             },
-            "level": {"enum": ["low", "high", 3]},
+            "level": {"enum": ["low", "high", 3, "naïve"]},
         },
         "required": ["tags", "level"],
     },
@@ -225,6 +225,10 @@ def test_preemption_and_prefix_caching_keep_matchers_consistent(structured_model
         ),
         (StructuredOutputsParams(choice=["a", ""]), "choice must not contain an empty string"),
         (StructuredOutputsParams(grammar='root ::= "ça"'), "grammar must be ASCII"),
+        (
+            StructuredOutputsParams(json='{"enum": ["ok", "Ça"]}'),
+            "JSON schema string 'Ça' at '/enum' cannot be enforced",
+        ),
     ],
 )
 def test_bad_constraints_are_value_errors(

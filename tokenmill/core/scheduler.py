@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.fairness import VirtualTokenCounters
@@ -27,6 +28,9 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.tiers import ClassKey, StepBudget, TieredQueue, TierTable
 from tokenmill.protocol import EngineCoreOutput, FinishReason, PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,8 @@ class ScheduledRequest:
     ``block_table`` covers all of them. ``sample`` is set when this step reaches the end of the
     sequence, so the last position's logits pick the next token. ``prompt_logprobs_range`` is the
     half-open range of prompt positions whose next-token logprobs to compute this step.
+    ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
+    that many draws, so its random stream is the one it would have had sampling them.
     """
 
     request_id: str
@@ -52,16 +58,19 @@ class ScheduledRequest:
     forbidden_token_ids: list[int]
     prompt_logprobs_range: tuple[int, int] | None
     seed: int | None
+    skipped_draws: int = 0
 
 
 @dataclass
 class SchedulerOutput:
     """A step's plan. ``finished_request_ids`` lists requests that ended since the last plan, so
-    executors can drop per-request state (seeded generators)."""
+    executors can drop per-request state (seeded generators). ``grammar_bitmask`` holds the allowed
+    tokens of the constrained sampling rows (filled in by the engine core), or None."""
 
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +129,7 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self._recent_finishes: deque[float] = deque(maxlen=64)
         self.num_preemptions_total = 0
+        self.num_forced_tokens_total = 0  # appended by jump-forward
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -295,6 +305,8 @@ class Scheduler:
             tier = self.tiers.tiers[request.tier]
             if budget.tier_left[request.tier] <= 0 or self._tier_is_full(request.tier):
                 break  # this tier is done for the step; worse classes may still use what is left
+            if not self._grammar_ready(request):
+                continue  # its grammar is still compiling; it does not hold up the queue
             leader = self._sibling_leader(request)
             if leader is not None and not self._leader_prompt_ready(leader, request):
                 continue  # wait until the leader has computed the shared prompt blocks
@@ -350,6 +362,10 @@ class Scheduler:
             )
             logger.debug("request %s passed its deadline", request.request_id)
 
+    @staticmethod
+    def _grammar_ready(request: Request) -> bool:
+        return request.grammar is None or request.grammar.poll()
+
     def _sibling_leader(self, request: Request) -> Request | None:
         """The running first sibling whose prompt blocks this request may share, if any."""
         if request.group_id is None or request.sibling_index == 0 or request.num_preemptions > 0:
@@ -387,6 +403,7 @@ class Scheduler:
             forbidden_token_ids=request.tokens_forbidden_now(),
             prompt_logprobs_range=prompt_range,
             seed=None if params.seed is None else params.seed + request.sibling_index,
+            skipped_draws=request.num_forced_since_sample if end == request.num_tokens else 0,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -418,12 +435,11 @@ class Scheduler:
             self.kv.release_out_of_window_blocks(request)
             if not entry.sample:
                 continue
-            token = result.sampled_token_ids[entry.request_id]
-            request.append_output_token(token)
-            self._record_token(request, now)
+            new_tokens, stopped = self._append_tokens(request, result.sampled_token_ids[entry.request_id])
+            self._record_tokens(request, len(new_tokens), now)
             output = EngineCoreOutput(
                 request_id=request.request_id,
-                new_token_ids=[token],
+                new_token_ids=new_tokens,
                 num_cached_tokens=request.num_cached_tokens,
             )
             if entry.request_id in result.logprobs:
@@ -431,11 +447,12 @@ class Scheduler:
             if request.num_output_tokens == 1 and request.wants_prompt_logprobs:
                 output.prompt_logprobs = request.pending_prompt_logprobs
                 request.pending_prompt_logprobs = []
-            if request.check_stop():
+            if stopped:
                 self.running.remove(request)
                 self._finish(request)
                 output.finish_reason = request.finish_reason
                 output.stop_reason = request.stop_reason
+                output.error = request.error
             outputs.append(output)
         return outputs
 
@@ -446,9 +463,54 @@ class Scheduler:
             self.waiting.charge(request, computed_prompt - request.num_prompt_charged, 0)
             request.num_prompt_charged = computed_prompt
 
-    def _record_token(self, request: Request, now: float) -> None:
-        """Charge the user for one generated token and note when it came (for TTFT/TPOT targets)."""
-        self.waiting.charge(request, 0, 1)
+    def _append_tokens(self, request: Request, sampled: int) -> tuple[list[int], bool]:
+        """Append the sampled token, then any tokens the request's grammar forces (jump-forward).
+
+        Each token goes through the grammar and the stop checks; appending ends at the first token
+        that finishes the request. Returns the appended tokens and whether the request finished.
+        """
+        appended = [sampled]
+        stopped = self._append_one(request, sampled)
+        grammar = request.grammar
+        while not stopped and grammar is not None and (forced := grammar.forced_token()) is not None:
+            appended.append(forced)
+            stopped = self._append_one(request, forced)
+        request.num_forced_since_sample = len(appended) - 1
+        self.num_forced_tokens_total += len(appended) - 1
+        return appended, stopped
+
+    @staticmethod
+    def _append_one(request: Request, token: int) -> bool:
+        request.append_output_token(token)
+        if request.grammar is not None and not request.grammar.accept(token):
+            # The bitmask makes this unreachable; if it happens, fail this request, not the engine.
+            request.finish_reason = FinishReason.ERROR
+            request.error = f"token {token} is not allowed by the request's grammar"
+            return True
+        return request.check_stop()
+
+    def fail_request(self, request_id: str, error: str) -> EngineCoreOutput | None:
+        """Finish a request that cannot run (its grammar failed to compile) with ``error``.
+
+        Returns the output that tells the client, or None when the request is already gone.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.finish_reason = FinishReason.ERROR
+        self._finish(request)
+        return EngineCoreOutput(
+            request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error
+        )
+
+    def _record_tokens(self, request: Request, count: int, now: float) -> None:
+        """Charge the user for ``count`` generated tokens (a sample plus any tokens a grammar forced)
+        and note when they came (for TTFT/TPOT targets)."""
+        self.waiting.charge(request, 0, count)
         if request.first_token_time is None:
             request.first_token_time = now
         elif request.last_token_time is not None:

@@ -59,6 +59,12 @@ class SamplingRequest(_Strict):
     # Accepted for compatibility; they change nothing here.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
+    # Structured outputs under vLLM's names (at most one; chat also takes response_format).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatMessage(_Strict):

@@ -102,11 +102,6 @@ def render_chat_prompt(
 
 def _check_supported(body: ChatCompletionRequest) -> None:
     """Refuse, rather than silently ignore, what this server cannot do yet."""
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {body.response_format.get('type')!r} is not supported yet; use 'text'",
-            param="response_format",
-        )
     if body.tool_choice not in (None, "none", "auto"):
         raise bad_request(
             "tool_choice must be 'none' or 'auto': forced tool calls are not supported yet",

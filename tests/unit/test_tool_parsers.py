@@ -180,7 +180,9 @@ def test_extract(name: str, factory: ParserFactory, text: str, expected: Expecte
 
 
 @pytest.mark.parametrize(("name", "factory", "text", "expected"), CASES, ids=IDS)
-def test_stream_any_split_equals_extract(name: str, factory: ParserFactory, text: str, expected: Expected) -> None:
+def test_stream_any_split_equals_extract(
+    name: str, factory: ParserFactory, text: str, expected: Expected
+) -> None:
     markup = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"]
     for cut in range(len(text) + 1):
         events = _stream(factory, [text[:cut], text[cut:]])
@@ -243,12 +245,14 @@ def test_whitespace_rule_keeps_plain_content_exact() -> None:
 def test_registry_and_detection() -> None:
     assert get_tool_parser("hermes") is HermesToolParser
     assert get_tool_parser("qwen") is HermesToolParser
-    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; known parsers: hermes, llama3_json"):
+    with pytest.raises(
+        ValueError, match="unknown tool-call parser 'nope'; known parsers: hermes, llama3_json"
+    ):
         get_tool_parser("nope")
     assert detect_tool_parser("... <tool_call>\n{{ tool | tojson }} ...") == "hermes"
     assert detect_tool_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_tool_parser("{{ '<|python_tag|>' }}") == "llama3_json"
-    assert detect_tool_parser("<|start_header_id|> ... {\"name\": fn, \"parameters\": args}") == "llama3_json"
+    assert detect_tool_parser('<|start_header_id|> ... {"name": fn, "parameters": args}') == "llama3_json"
     assert detect_tool_parser("{{ m.content }}", ["Qwen2ForCausalLM"]) == "hermes"
     assert detect_tool_parser("{{ m.content }}", ["LlamaForCausalLM"]) is None
     assert detect_tool_parser(None) is None

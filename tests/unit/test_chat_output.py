@@ -23,7 +23,7 @@ REASONING_CASES: list[tuple[type[ThinkReasoningParser], bool, str, tuple[str, st
         Qwen3ReasoningParser,
         False,
         "<think>\nLet me think. </thi\n</think>\n\nHello!",
-        ("Let me think. </thi\n", "Hello!"),
+        ("Let me think. </thi", "Hello!"),
     ),
     (
         Qwen3ReasoningParser,
@@ -33,7 +33,7 @@ REASONING_CASES: list[tuple[type[ThinkReasoningParser], bool, str, tuple[str, st
     ),
     (Qwen3ReasoningParser, False, "  <thin", ("", "  <thin")),
     (Qwen3ReasoningParser, True, "\nstill thinking</think>\n\nAnswer", ("still thinking", "Answer")),
-    (Qwen3ReasoningParser, True, "cut off while thinking", ("cut off while thinking", "")),
+    (Qwen3ReasoningParser, True, "cut off while thinking ", ("cut off while thinking ", "")),
     (DeepSeekR1ReasoningParser, False, "no opening tag</think>Answer", ("no opening tag", "Answer")),
     (DeepSeekR1ReasoningParser, False, "<think>tagged</think> Answer", ("tagged", "Answer")),
     (DeepSeekR1ReasoningParser, False, "never closed", ("never closed", "")),

@@ -33,6 +33,7 @@ class ThinkReasoningParser:
         self._state = "reasoning" if prompt_opened else "start"
         self._buffer = ""
         self._strip_next = prompt_opened  # leading whitespace of a channel is dropped
+        self._reasoning_ws = ""  # trailing whitespace of the reasoning, dropped if </think> follows
         self.saw_reasoning = False
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -54,10 +55,11 @@ class ThinkReasoningParser:
                 at = buffer.find(THINK_END)
                 if at < 0:
                     keep = marker_prefix_len(buffer, THINK_END)
-                    reasoning.append(self._channel_text(buffer[: len(buffer) - keep]))
+                    reasoning.append(self._reasoning_text(buffer[: len(buffer) - keep]))
                     self._buffer = buffer[len(buffer) - keep :]
                     break
-                reasoning.append(self._channel_text(buffer[:at]))
+                reasoning.append(self._reasoning_text(buffer[:at]))
+                self._reasoning_ws = ""
                 self._buffer, self._state, self._strip_next = buffer[at + len(THINK_END) :], "content", True
             else:
                 content.append(self._channel_text(buffer))
@@ -68,7 +70,7 @@ class ThinkReasoningParser:
         """Release what was held back at the end of the text."""
         rest, self._buffer = self._buffer, ""
         if self._state == "reasoning":
-            return self._seen(self._channel_text(rest)), ""
+            return self._seen(self._reasoning_text(rest) + self._reasoning_ws), ""
         if self._state == "start":  # only whitespace or a partial "<think": it is content
             return "", rest
         return "", self._channel_text(rest)
@@ -84,6 +86,16 @@ class ThinkReasoningParser:
             text = text.lstrip()
             self._strip_next = not text
         return text
+
+    def _reasoning_text(self, text: str) -> str:
+        text = self._channel_text(text)
+        body = text.rstrip()
+        if not body:
+            self._reasoning_ws += text
+            return ""
+        out = self._reasoning_ws + body
+        self._reasoning_ws = text[len(body) :]
+        return out
 
     def _seen(self, reasoning: str) -> str:
         self.saw_reasoning = self.saw_reasoning or bool(reasoning)

@@ -92,12 +92,17 @@ class SchedulerConfig:
 
 @dataclass
 class EngineConfig:
-    """Everything the engine core needs at start-up."""
+    """Everything the engine core needs at start-up.
+
+    ``jump_forward``: when a request's grammar allows exactly one next token, append it without
+    sampling (the output is the same; requests asking for logprobs always sample).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
+    jump_forward: bool = True
 
     def validate(self) -> None:
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):

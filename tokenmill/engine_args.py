@@ -63,6 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     scheduler.add_argument(
         "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
     )
+    scheduler.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="sample every token of structured outputs, even where the grammar allows only one",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,4 +86,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,
         "max_waiting": args.max_waiting,
+        "jump_forward": not args.no_jump_forward,
     }

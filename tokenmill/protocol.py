@@ -82,6 +82,8 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     # Running totals since start-up: prompt tokens looked up in the prefix cache and tokens it served.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Tokens appended this step by jump-forward (forced by a grammar, not sampled).
+    num_forced_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------

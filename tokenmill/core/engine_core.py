@@ -14,7 +14,9 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.inprocess import InProcessExecutor
 from tokenmill.loader import ModelSource
-from tokenmill.protocol import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.structured.backend import GrammarBackend
+from tokenmill.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ class EngineCore:
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.structured = StructuredOutputManager(
+            self._make_grammar_backend, jump_forward=config.jump_forward
+        )
         logger.info(
             "engine ready: max_model_len=%d, %d KV tokens, prefix caching %s",
             self.max_model_len,
@@ -73,7 +78,10 @@ class EngineCore:
         bad = [t for t in bias if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        self.scheduler.add_request(Request(core_request, self.max_model_len))
+        request = Request(core_request, self.max_model_len)
+        if request.sampling_params.structured_outputs is not None:
+            request.grammar = self.structured.new_state(request)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         return self.scheduler.abort(request_ids)
@@ -82,11 +90,18 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> EngineCoreOutputs:
+        failed = self._fail_broken_grammars()
+        forced_before = self.scheduler.num_forced_tokens_total
         plan = self.scheduler.schedule()
+        plan.grammar_bitmask = self.structured.step_bitmask(plan.scheduled, self.scheduler.requests)
+        if plan.is_empty and not failed and self.structured.has_pending():
+            # Everything runnable waits for a grammar: block on the compiler rather than spin.
+            self.structured.wait_for_compile(timeout=0.05)
         result = self.executor.execute(plan)
-        outputs = self.scheduler.update(plan, result)
+        outputs = failed + self.scheduler.update(plan, result)
         return EngineCoreOutputs(
             outputs=outputs,
+            num_forced_tokens=self.scheduler.num_forced_tokens_total - forced_before,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_manager.usage(),
@@ -94,6 +109,21 @@ class EngineCore:
             prefix_cache_queried_tokens=self.kv_manager.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_manager.prefix_hit_tokens,
         )
+
+    def _make_grammar_backend(self) -> GrammarBackend:
+        # Imported on first use: xgrammar loads a native library engines without constraints never need.
+        from tokenmill.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(self.source.load_tokenizer(), int(self.source.hf_config.vocab_size))
+
+    def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
+        """Finish the requests whose grammar failed to compile; their outputs carry the error."""
+        outputs = []
+        for request_id, error in self.structured.take_failures():
+            output = self.scheduler.fail_request(request_id, error)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()

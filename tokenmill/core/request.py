@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from tokenmill.protocol import EngineCoreRequest, FinishReason, PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured.manager import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +52,12 @@ class Request:
         self.pending_prompt_logprobs: list[PositionLogprobs | None] = (
             [None] if self.wants_prompt_logprobs else []
         )
+        # Structured outputs: the request's grammar (set by the engine core), the tokens jump-forward
+        # appended since the last sampled one (their draws are skipped in the seeded generator), and why
+        # the request failed, if it did.
+        self.grammar: GrammarState | None = None
+        self.num_forced_since_sample = 0
+        self.error: str | None = None
         params = self.sampling_params
         limit = max_model_len - len(self.prompt_token_ids)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv.manager import KVCacheManager, cdiv
@@ -19,6 +20,9 @@ from tokenmill.core.policy import make_policy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.protocol import EngineCoreOutput, FinishReason, PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ class ScheduledRequest:
     ``block_table`` covers all of them. ``sample`` is set when this step reaches the end of the
     sequence, so the last position's logits pick the next token. ``prompt_logprobs_range`` is the
     half-open range of prompt positions whose next-token logprobs to compute this step.
+    ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
+    that many draws, so its random stream is the one it would have had sampling them.
     """
 
     request_id: str
@@ -44,16 +50,19 @@ class ScheduledRequest:
     forbidden_token_ids: list[int]
     prompt_logprobs_range: tuple[int, int] | None
     seed: int | None
+    skipped_draws: int = 0
 
 
 @dataclass
 class SchedulerOutput:
     """A step's plan. ``finished_request_ids`` lists requests that ended since the last plan, so
-    executors can drop per-request state (seeded generators)."""
+    executors can drop per-request state (seeded generators). ``grammar_bitmask`` holds the allowed
+    tokens of the constrained sampling rows (filled in by the engine core), or None."""
 
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +101,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.num_forced_tokens_total = 0  # appended by jump-forward
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -175,6 +185,8 @@ class Scheduler:
         for request in self.waiting.ordered():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self._grammar_ready(request):
+                continue  # its grammar is still compiling; it does not hold up the queue
             leader = self._sibling_leader(request)
             if leader is not None and not self._leader_prompt_ready(leader, request):
                 continue  # wait until the leader has computed the shared prompt blocks
@@ -196,6 +208,10 @@ class Scheduler:
             plan.append(self._plan_entry(request, num_new))
             budget -= num_new
         return budget
+
+    @staticmethod
+    def _grammar_ready(request: Request) -> bool:
+        return request.grammar is None or request.grammar.poll()
 
     def _sibling_leader(self, request: Request) -> Request | None:
         """The running first sibling whose prompt blocks this request may share, if any."""
@@ -234,6 +250,7 @@ class Scheduler:
             forbidden_token_ids=request.tokens_forbidden_now(),
             prompt_logprobs_range=prompt_range,
             seed=None if params.seed is None else params.seed + request.sibling_index,
+            skipped_draws=request.num_forced_since_sample if end == request.num_tokens else 0,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -261,11 +278,10 @@ class Scheduler:
             self.kv.cache_computed_blocks(request)
             if not entry.sample:
                 continue
-            token = result.sampled_token_ids[entry.request_id]
-            request.append_output_token(token)
+            new_tokens, stopped = self._append_tokens(request, result.sampled_token_ids[entry.request_id])
             output = EngineCoreOutput(
                 request_id=request.request_id,
-                new_token_ids=[token],
+                new_token_ids=new_tokens,
                 num_cached_tokens=request.num_cached_tokens,
             )
             if entry.request_id in result.logprobs:
@@ -273,13 +289,58 @@ class Scheduler:
             if request.num_output_tokens == 1 and request.wants_prompt_logprobs:
                 output.prompt_logprobs = request.pending_prompt_logprobs
                 request.pending_prompt_logprobs = []
-            if request.check_stop():
+            if stopped:
                 self.running.remove(request)
                 self._finish(request)
                 output.finish_reason = request.finish_reason
                 output.stop_reason = request.stop_reason
+                output.error = request.error
             outputs.append(output)
         return outputs
+
+    def _append_tokens(self, request: Request, sampled: int) -> tuple[list[int], bool]:
+        """Append the sampled token, then any tokens the request's grammar forces (jump-forward).
+
+        Each token goes through the grammar and the stop checks; appending ends at the first token
+        that finishes the request. Returns the appended tokens and whether the request finished.
+        """
+        appended = [sampled]
+        stopped = self._append_one(request, sampled)
+        grammar = request.grammar
+        while not stopped and grammar is not None and (forced := grammar.forced_token()) is not None:
+            appended.append(forced)
+            stopped = self._append_one(request, forced)
+        request.num_forced_since_sample = len(appended) - 1
+        self.num_forced_tokens_total += len(appended) - 1
+        return appended, stopped
+
+    @staticmethod
+    def _append_one(request: Request, token: int) -> bool:
+        request.append_output_token(token)
+        if request.grammar is not None and not request.grammar.accept(token):
+            # The bitmask makes this unreachable; if it happens, fail this request, not the engine.
+            request.finish_reason = FinishReason.ERROR
+            request.error = f"token {token} is not allowed by the request's grammar"
+            return True
+        return request.check_stop()
+
+    def fail_request(self, request_id: str, error: str) -> EngineCoreOutput | None:
+        """Finish a request that cannot run (its grammar failed to compile) with ``error``.
+
+        Returns the output that tells the client, or None when the request is already gone.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.finish_reason = FinishReason.ERROR
+        self._finish(request)
+        return EngineCoreOutput(
+            request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error
+        )
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED

@@ -90,6 +90,7 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
+    jump_forward_tokens: int = 0
     finished_requests: dict[str, int] = field(default_factory=dict)
 
 
@@ -408,6 +409,7 @@ class AsyncLLM:
         self.stats.num_waiting = batch.num_waiting
         self.stats.kv_cache_usage = batch.kv_cache_usage
         self.stats.num_preemptions += batch.num_preemptions
+        self.stats.jump_forward_tokens += batch.num_forced_tokens
         self.stats.prefix_cache_queried_tokens = batch.prefix_cache_queried_tokens
         self.stats.prefix_cache_hit_tokens = batch.prefix_cache_hit_tokens
         if not batch.outputs:

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.protocol import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.validate import validate_structured_outputs
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: Any) -> list[int]:
@@ -88,6 +89,7 @@ class InputProcessor:
         bad = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        validate_structured_outputs(params)
         if num >= self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "

@@ -22,6 +22,8 @@ class RowSamplingInput:
     successive draws continue one stream. ``block_ids_for_min_tokens`` are the token ids to forbid this
     step (EOS and stop ids while fewer than ``min_tokens`` tokens have been generated), else empty.
     The token id lists are read only, never copied into tensors unless a penalty needs them.
+    ``grammar_bitmask`` is the row's allowed-token bitmask (``[ceil(vocab / 32)]`` int32) when a
+    grammar constrains it, else None.
     """
 
     params: SamplingParams
@@ -29,6 +31,7 @@ class RowSamplingInput:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     block_ids_for_min_tokens: list[int]
+    grammar_bitmask: torch.Tensor | None = None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -40,6 +43,11 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
+
+
+def draws_noise(params: SamplingParams) -> bool:
+    """Whether a row with these parameters draws sampling noise (greedy rows draw none)."""
+    return not _is_greedy(params)
 
 
 def build_sampling_metadata(rows: list[RowSamplingInput], device: torch.device | str) -> SamplingMetadata:
@@ -104,6 +112,13 @@ def build_sampling_metadata(rows: list[RowSamplingInput], device: torch.device |
         i: row.block_ids_for_min_tokens for i, row in enumerate(rows) if row.block_ids_for_min_tokens
     }
 
+    constrained = [i for i, row in enumerate(rows) if row.grammar_bitmask is not None]
+    grammar_rows = grammar_bitmask = None
+    if constrained:
+        grammar_rows = torch.tensor(constrained, dtype=i64, device=device)  # [num_constrained]
+        masks = [row.grammar_bitmask for row in rows if row.grammar_bitmask is not None]
+        grammar_bitmask = torch.stack(masks).to(device)  # [num_constrained, words]
+
     requested = [p.logprobs for p in params if p.logprobs is not None]
     max_num_logprobs = max(requested) if requested else None
 
@@ -123,4 +138,6 @@ def build_sampling_metadata(rows: list[RowSamplingInput], device: torch.device |
         logit_bias=logit_bias,
         min_tokens_block=min_tokens_block,
         max_num_logprobs=max_num_logprobs,
+        grammar_rows=grammar_rows,
+        grammar_bitmask=grammar_bitmask,
     )

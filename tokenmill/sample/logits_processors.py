@@ -87,6 +87,25 @@ def apply_min_tokens_block(logits: torch.Tensor, block: dict[int, list[int]]) ->
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token a grammar forbids in the given rows; other rows are untouched.
+
+    ``rows`` (``[num_constrained]``) are row indices into ``logits``; ``bitmask`` is
+    ``[num_constrained, words]`` int32 where bit ``t % 32`` of word ``t // 32`` allows token ``t``.
+    Tokens past ``32 * words`` are forbidden; bits past the logits' vocabulary are ignored.
+    """
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [num_constrained, words, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()  # [num_constrained, words * 32]
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]  # [num_constrained, vocab]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+    return logits
+
+
 def _token_counts(padded_ids: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """Count each token per row of a padded id tensor (pad id ``vocab``); returns ``[num_rows, vocab]``."""
     num_rows = padded_ids.shape[0]

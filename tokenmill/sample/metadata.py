@@ -25,6 +25,8 @@ class SamplingMetadata:
     ``min_tokens_block[row]`` lists token ids to forbid on that row this step (EOS and stop ids
     while fewer than ``min_tokens`` have been generated).
     ``max_num_logprobs`` is the largest top-N any row asked for, or None if no row wants logprobs.
+    ``grammar_rows`` lists the rows constrained by a grammar and ``grammar_bitmask`` their allowed
+    tokens (bit ``t % 32`` of word ``t // 32``); both None when no row is constrained.
     """
 
     temperature: torch.Tensor  # [num_rows] float32
@@ -42,6 +44,8 @@ class SamplingMetadata:
     logit_bias: list[dict[int, float] | None] | None
     min_tokens_block: dict[int, list[int]]
     max_num_logprobs: int | None
+    grammar_rows: torch.Tensor | None = None  # [num_constrained] int64
+    grammar_bitmask: torch.Tensor | None = None  # [num_constrained, ceil(vocab / 32)] int32
 
     @property
     def no_penalties(self) -> bool:

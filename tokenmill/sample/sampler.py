@@ -20,6 +20,7 @@ from tokenmill.sample.logits_processors import (
     apply_min_tokens_block,
     apply_penalties,
     apply_temperature,
+    apply_token_bitmask,
     apply_top_k_top_p,
     pad_token_ids,
 )
@@ -83,6 +84,18 @@ def exponential_noise(
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def skip_noise_draws(generator: torch.Generator, num_draws: int, vocab: int, device: torch.device) -> None:
+    """Advance ``generator`` past ``num_draws`` rows of :func:`exponential_noise`.
+
+    Jump-forward appends tokens a grammar forces without sampling them; a seeded request skips the
+    noise those samples would have drawn, so its later tokens are the ones it samples without
+    jump-forward. Each skipped row is drawn exactly as ``exponential_noise`` draws one row.
+    """
+    scratch = torch.empty(vocab, dtype=torch.float32, device=device)  # [vocab]
+    for _ in range(num_draws):
+        scratch.exponential_(generator=generator)
+
+
 class Sampler(torch.nn.Module):
     """Samples one token per row from ``[num_rows, vocab]`` logits under per-row sampling settings.
 
@@ -116,6 +129,9 @@ class Sampler(torch.nn.Module):
             logits = apply_min_tokens_block(logits, metadata.min_tokens_block)
         if not metadata.no_penalties:
             logits = _apply_penalties_from_metadata(logits, metadata)
+        if metadata.grammar_rows is not None and metadata.grammar_bitmask is not None:
+            # Last, so that nothing above can give a forbidden token a finite logit again.
+            logits = apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
         return logits
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

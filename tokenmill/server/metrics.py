@@ -61,6 +61,11 @@ class _EngineCollector:
         yield self._counter(
             "prefix_cache_hits", "Tokens the prefix cache served at admission.", stats.prefix_cache_hit_tokens
         )
+        yield self._counter(
+            "jump_forward_tokens",
+            "Output tokens a grammar forced, appended without sampling (jump-forward).",
+            stats.jump_forward_tokens,
+        )
         queried = stats.prefix_cache_queried_tokens
         yield self._gauge(
             "prefix_cache_hit_rate",

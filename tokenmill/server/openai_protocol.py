@@ -55,6 +55,12 @@ class SamplingRequest(_Strict):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    # Structured outputs under vLLM's names (at most one; chat also takes response_format).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatMessage(_Strict):

@@ -7,6 +7,7 @@ from typing import Any
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import bad_request, from_value_error
 from tokenmill.server.openai_protocol import SamplingRequest
+from tokenmill.server.structured_outputs import structured_outputs_from_request
 
 # OpenAI's documented range; SamplingParams itself accepts any temperature >= 0.
 MAX_TEMPERATURE = 2.0
@@ -64,6 +65,7 @@ def build_sampling_params(
         "repetition_penalty": request.repetition_penalty,
     }
     values.update({name: value for name, value in optional.items() if value is not None})
+    values["structured_outputs"] = structured_outputs_from_request(request)
     try:
         return SamplingParams.from_dict(values)
     except ValueError as exc:

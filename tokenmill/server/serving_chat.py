@@ -97,11 +97,6 @@ def render_chat_prompt(
 
 def _check_supported(body: ChatCompletionRequest) -> None:
     """Refuse, rather than silently ignore, what this server cannot do yet."""
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {body.response_format.get('type')!r} is not supported yet; use 'text'",
-            param="response_format",
-        )
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -17,8 +17,9 @@ from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
 from tokenmill.models.registry import resolve_model_class
 from tokenmill.protocol import PositionLogprobs
-from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, make_generator
-from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_noise, make_generator
+from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_noise_draws
+from tokenmill.structured.manager import GrammarBitmask
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, num_blocks_for_budget
 
@@ -109,7 +110,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
         if num_sampling:
-            self._sample(logits[:num_sampling], sample_entries, output)
+            self._sample(logits[:num_sampling], sample_entries, output, plan.grammar_bitmask)
         offset = num_sampling
         for request_id, targets, num_top in prompt_rows:
             rows = logits[offset : offset + len(targets)]
@@ -120,9 +121,14 @@ class ModelRunner:
         return output
 
     def _sample(
-        self, logits: torch.Tensor, entries: list[ScheduledRequest], output: ModelRunnerOutput
+        self,
+        logits: torch.Tensor,
+        entries: list[ScheduledRequest],
+        output: ModelRunnerOutput,
+        grammar: GrammarBitmask | None,
     ) -> None:
         rows = []
+        vocab = logits.shape[-1]
         for entry in entries:
             generator = None
             if entry.seed is not None:
@@ -130,6 +136,11 @@ class ModelRunner:
                 if generator is None:
                     generator = make_generator(entry.seed, self.device)
                     self._generators[entry.request_id] = generator
+                if entry.skipped_draws and draws_noise(entry.sampling_params):
+                    skip_noise_draws(generator, entry.skipped_draws, vocab, self.device)
+            bitmask_row = None
+            if grammar is not None and entry.request_id in grammar.rows:
+                bitmask_row = grammar.bitmask[grammar.rows[entry.request_id]]  # [words]
             rows.append(
                 RowSamplingInput(
                     params=entry.sampling_params,
@@ -137,6 +148,7 @@ class ModelRunner:
                     prompt_token_ids=entry.prompt_token_ids,
                     output_token_ids=entry.output_token_ids,
                     block_ids_for_min_tokens=entry.forbidden_token_ids,
+                    grammar_bitmask=bitmask_row,
                 )
             )
         metadata = build_sampling_metadata(rows, self.device)

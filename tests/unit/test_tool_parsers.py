@@ -121,6 +121,12 @@ CASES: list[tuple[str, ParserFactory, str, Expected]] = [
         ("", [("get_weather", WEATHER), ("run", TRICKY)]),
     ),
     (
+        "mistral-spaced-markers",
+        MistralToolParser,
+        f"[TOOL_CALLS] get_weather [ARGS] {WEATHER} ",
+        ("", [("get_weather", WEATHER)]),
+    ),
+    (
         "mistral-not-a-name",
         MistralToolParser,
         "[TOOL_CALLS]two words[ARGS]{}",

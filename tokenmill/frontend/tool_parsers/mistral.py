@@ -88,16 +88,21 @@ class MistralToolParser(ToolParser):
         elif state == "name":
             at = buffer.find(ARGS)
             name = buffer[:at] if at >= 0 else buffer[: len(buffer) - marker_prefix_len(buffer, ARGS)]
-            if name and not _NAME.fullmatch(name.rstrip() if at >= 0 else name):
+            name = name.rstrip()  # a space may come before [ARGS] (tokenizers that join tokens with one)
+            if (name or at >= 0) and not _NAME.fullmatch(name):
                 return self._release_marker()  # not a call after all: the marker and text are content
             if at < 0:
                 return False
-            self._commit(name.rstrip())
+            self._commit(name)
             self._buffer, self._state = buffer[at + len(ARGS) :].lstrip(), "args"
             self._args, self._scalar_args = JsonValueScanner(), ""
         elif state == "args":
             scanner = self._args
             assert scanner is not None
+            if scanner.first is None:  # whitespace before the value is not part of it
+                buffer = self._buffer = buffer.lstrip()
+                if not buffer:
+                    return False
             taken = 0
             for ch in buffer:
                 if not scanner.push(ch):

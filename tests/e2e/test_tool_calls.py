@@ -342,3 +342,24 @@ def test_auto_without_a_known_format_is_400(tiny_server: ServerProcess) -> None:
             messages=[{"role": "user", "content": "<5>"}],
             tools=TOOLS,  # type: ignore[arg-type]
         )
+
+
+def test_logprobs_survive_parsing(scripted_server: ServerProcess) -> None:
+    # Parsers hold text back while markup is undecided; every token's logprob still goes out once.
+    stream = scripted_server.client().chat.completions.create(
+        model="scripted",
+        messages=_ask("weather?"),  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=40,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+    )
+    tokens = [
+        entry.token
+        for chunk in stream
+        for c in chunk.choices
+        if c.logprobs
+        for entry in c.logprobs.content or []
+    ]
+    assert tokens == [*SCRIPTS["weather?"], "</s>"]

@@ -109,13 +109,15 @@ def test_server_flag_wins_over_detection(mistral_like: PreTrainedTokenizerFast) 
 
 
 def test_enforced_choices_set_a_json_schema(mistral_like: PreTrainedTokenizerFast) -> None:
-    ctx = _ctx(mistral_like)
+    ctx = _ctx(mistral_like, reasoning="qwen3")
     named = plan_chat_tools(
         _body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), ctx
     )
     assert named.structured_outputs is not None and named.structured_outputs.json is not None
     assert json.loads(named.structured_outputs.json) == TOOLS[0]["function"]["parameters"]
     assert named.make_tool_parser is not None and isinstance(named.make_tool_parser(), NamedToolParser)
+    [output] = named.choice_outputs(ctx, "prompt <think>\n", n=1) or []
+    assert output.parser.reasoning_parser is None
     required = plan_chat_tools(_body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), ctx)
     assert required.make_tool_parser is RequiredToolParser and required.max_tool_calls == 1
     assert required.structured_outputs is not None and required.structured_outputs.json is not None

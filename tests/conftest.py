@@ -239,3 +239,66 @@ def _kv_cache_is_clean_after_test() -> Iterator[None]:
         assert not llm.output_processor.requests, "a request was left in the output processor"
         engine.kv_manager.check_integrity()
         assert engine.kv_manager.all_free_or_cached(), "blocks are still held outside the prefix tree"
+
+
+# ---------------------------------------------------------------- a tiny model with a byte-level tokenizer
+
+_BPE_CORPUS = [
+    '{"name": "Ada", "age": 36, "tags": ["red", "green"], "ok": true, "note": null}',
+    '[{"x": 1, "y": -2.5}, {"x": 0, "y": 3e2}]',
+    "The quick brown fox jumps over the lazy dog. Hello there, here is some data: 1 2 3.",
+    "Call +1 555-0100 ext. 42 or write to zip 90210; yes, no, maybe not, ça va.",
+]
+
+
+@pytest.fixture(scope="session")
+def structured_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama with a byte-level BPE tokenizer (any text spells out; ~400 tokens).
+
+    Grammars need tokens that spell text, so the word-level test tokenizer will not do; this one is
+    trained in milliseconds on a few lines. The weights are spread so greedy choices have clear
+    margins and seeded sampling still varies.
+    """
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(_BPE_CORPUS, trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", unk_token="<unk>"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            elif "lm_head" in name:
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(2.0 * noise / param.shape[-1] ** 0.5)
+    folder = tmp_path_factory.mktemp("tiny-structured")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

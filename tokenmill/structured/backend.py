@@ -58,6 +58,11 @@ class GrammarBackend(abc.ABC):
     @abc.abstractmethod
     def make_matcher(self, compiled: Any, stop_token_ids: list[int]) -> GrammarMatcher: ...
 
+    def token_filter(self, constraint: StructuredOutputsParams) -> torch.Tensor | None:
+        """A ``[words]`` bitmask ANDed into every mask of this constraint, for tokens the compiled
+        grammar lets through wrongly (a backend bug workaround), or None."""
+        return None
+
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """An all-allowed ``[num_rows, ceil(vocab_size / 32)]`` int32 bitmask."""
         words = (self.vocab_size + 31) // 32

@@ -75,17 +75,20 @@ class GrammarState:
     def __init__(
         self,
         request_id: str,
+        constraint: StructuredOutputsParams,
         future: Future[Any],
         backend: Callable[[], GrammarBackend],
         stop_token_ids: list[int],
         jump_forward: bool,
     ) -> None:
         self.request_id = request_id
+        self.constraint = constraint
         self.future = future
         self._backend = backend
         self.stop_token_ids = stop_token_ids
         self.jump_forward = jump_forward
         self.matcher: GrammarMatcher | None = None
+        self._filter: torch.Tensor | None = None  # [words] int32, ANDed into every mask row
         self.error: str | None = None
         self._row: torch.Tensor | None = None  # [words] int32, for the matcher's current state
 
@@ -98,7 +101,9 @@ class GrammarState:
         if exc is not None:
             self.error = str(exc) if isinstance(exc, ValueError) else f"grammar compilation failed: {exc}"
             return False
-        self.matcher = self._backend().make_matcher(self.future.result(), self.stop_token_ids)
+        backend = self._backend()
+        self._filter = backend.token_filter(self.constraint)
+        self.matcher = backend.make_matcher(self.future.result(), self.stop_token_ids)
         return True
 
     def accept(self, token_id: int) -> bool:
@@ -111,6 +116,8 @@ class GrammarState:
             assert self.matcher is not None
             mask = self._backend().allocate_bitmask(1)  # [1, words]
             self.matcher.fill_bitmask(mask, 0)
+            if self._filter is not None:
+                mask[0] &= self._filter
             self._row = mask[0]
         return self._row
 
@@ -174,6 +181,7 @@ class StructuredOutputManager:
         check_combination(params)
         state = GrammarState(
             request.request_id,
+            params.structured_outputs,
             self._compile(params.structured_outputs),
             self.backend,
             sorted(request.eos_token_ids),

@@ -48,12 +48,26 @@ def _json_schema_grammar(text: str) -> xgr.Grammar:
     return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
 
 
+# Characters that mean something in a regex; everything else stands for itself.
+_REGEX_SPECIAL = set("\\.^$|?*+()[]{}")
+
+
 def _choice_grammar(choices: list[str]) -> xgr.Grammar:
     if any(c == "" for c in choices):
         raise ValueError("choice must not contain an empty string")
-    # JSON string escapes (quote, backslash, control characters) are also EBNF string-literal escapes.
-    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-    return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    # A regex alternation rather than EBNF literals: xgrammar 0.2.9 mis-encodes non-ASCII characters in
+    # EBNF string literals ("ça" matches other bytes), while its regex parser encodes them correctly.
+    escaped = ("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in choices)
+    return xgr.Grammar.from_regex("(" + "|".join(escaped) + ")")
+
+
+def _ebnf_grammar(text: str) -> xgr.Grammar:
+    if not text.isascii():
+        raise ValueError(
+            "grammar must be ASCII: non-ASCII characters in EBNF grammars are not enforced correctly by "
+            "the grammar backend (use a regex or a JSON schema for non-ASCII text)"
+        )
+    return xgr.Grammar.from_ebnf(text)
 
 
 def build_grammar(constraint: StructuredOutputsParams) -> xgr.Grammar:
@@ -83,7 +97,7 @@ def build_grammar(constraint: StructuredOutputsParams) -> xgr.Grammar:
             assert constraint.choice is not None
             return _choice_grammar(constraint.choice)
         assert constraint.grammar is not None
-        return xgr.Grammar.from_ebnf(constraint.grammar)
+        return _ebnf_grammar(constraint.grammar)
     except ValueError:
         raise
     except Exception as exc:  # xgrammar reports every parse error as a RuntimeError
@@ -125,6 +139,7 @@ class XGrammarBackend(GrammarBackend):
         self.vocab_size = vocab_size
         self.num_threads = num_threads
         self._compiler: xgr.GrammarCompiler | None = None
+        self._no_control_bytes: torch.Tensor | None = None
         self._lock = threading.Lock()
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
@@ -132,7 +147,25 @@ class XGrammarBackend(GrammarBackend):
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.num_threads)
+                self._no_control_bytes = self._tokens_without_control_bytes(info)
             return self._compiler
+
+    def _tokens_without_control_bytes(self, info: xgr.TokenizerInfo) -> torch.Tensor:
+        mask = self.allocate_bitmask(1)[0]  # [words]
+        for token_id, text in enumerate(info.decoded_vocab):
+            if any(byte < 0x20 for byte in text):
+                mask[token_id // 32] &= ~(1 << (token_id % 32))
+        return mask
+
+    def token_filter(self, constraint: StructuredOutputsParams) -> torch.Tensor | None:
+        # xgrammar 0.2.9 writes the characters of a string with maxLength as [^"\\\r\n], which admits
+        # raw control characters that JSON forbids. Our JSON grammars are compact (no newlines or tabs
+        # between tokens), so no valid output has a byte below 0x20: filtering those tokens out removes
+        # only invalid continuations.
+        if constraint.kind not in ("json", "json_object"):
+            return None
+        self._get_compiler()
+        return self._no_control_bytes
 
     def compile(self, constraint: StructuredOutputsParams) -> Any:
         grammar = build_grammar(constraint)

@@ -18,6 +18,8 @@ import uvicorn
 
 from tokenmill.config import EngineConfig, build_engine_config
 from tokenmill.engine_args import add_engine_args, engine_kwargs
+from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
+from tokenmill.frontend.tool_parsers import TOOL_PARSERS
 from tokenmill.loader import resolve_model
 from tokenmill.server.app import build_app
 from tokenmill.server.context import DEFAULT_MAX_BODY_BYTES, ServerSettings
@@ -65,6 +67,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGINT/SIGTERM"
     )
+    chat = parser.add_argument_group("tool calls and reasoning")
+    chat.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="format of the model's tool calls for tool_choice 'auto' (default: detected from the chat template)",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> into reasoning_content (default: reasoning stays in the content)",
+    )
     add_engine_args(parser)
 
 
@@ -86,6 +101,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         access_log=args.access_log,
         engine_start_timeout=args.engine_start_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

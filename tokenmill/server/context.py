@@ -35,6 +35,8 @@ class ServerSettings:
     access_log: bool = False
     engine_start_timeout: float = 600.0
     shutdown_timeout: float = 5.0
+    tool_call_parser: str | None = None  # None: detected from the chat template / architecture
+    reasoning_parser: str | None = None  # None: reasoning stays in the content
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -171,6 +171,7 @@ class ChatResponseMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -194,7 +195,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, Any]  # only the keys that changed: role, content
+    delta: dict[str, Any]  # only the keys that changed: role, content, reasoning_content, tool_calls
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

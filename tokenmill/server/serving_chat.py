@@ -37,6 +37,7 @@ from tokenmill.server.openai_protocol import (
     now_seconds,
 )
 from tokenmill.server.sampling import build_sampling_params
+from tokenmill.server.serving_tools import ChoiceOutput, plan_chat_tools, template_tool_calls
 from tokenmill.server.streaming import (
     SSE_DONE,
     ClientDisconnected,
@@ -69,7 +70,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls is not None:
-            entry["tool_calls"] = message.tool_calls
+            entry["tool_calls"] = template_tool_calls(message.tool_calls, f"messages.{i}.tool_calls")
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         result.append(entry)
@@ -102,11 +103,6 @@ def render_chat_prompt(
 
 def _check_supported(body: ChatCompletionRequest) -> None:
     """Refuse, rather than silently ignore, what this server cannot do yet."""
-    if body.tool_choice not in (None, "none", "auto"):
-        raise bad_request(
-            "tool_choice must be 'none' or 'auto': forced tool calls are not supported yet",
-            param="tool_choice",
-        )
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -121,18 +117,21 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     ctx.check_alive()
     ctx.check_model(body.model)
     _check_supported(body)
+    tool_plan = plan_chat_tools(body, ctx)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=num_top, prompt_param="messages")
     tier = ctx.resolve_service_tier(body.service_tier)
+    params = tool_plan.apply(params)
     prompt_text, prompt_ids = render_chat_prompt(
         ctx,
         body.messages,
         add_generation_prompt=body.add_generation_prompt,
         chat_template=body.chat_template,
-        tools=body.tools,
+        tools=tool_plan.template_tools,
         template_kwargs=body.chat_template_kwargs,
     )
+    outputs = tool_plan.choice_outputs(ctx, prompt_text, params.n)
     request_id = ctx.new_request_id("chatcmpl")
     stream = ctx.engine.generate(
         request_id,
@@ -153,30 +152,50 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         raise from_engine_error(exc, "messages") from None
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_stream_chat(ctx, request_id, stream, state, num_top, include_usage, tier))
+        return SSEResponse(
+            _stream_chat(ctx, request_id, stream, state, num_top, include_usage, tier, outputs)
+        )
     try:
         await finish_streams(raw, [stream])
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
         raise from_engine_error(exc, "messages") from None
-    return JSONResponse(_chat_response(ctx, request_id, state, num_top, tier).model_dump(mode="json"))
+    return JSONResponse(
+        _chat_response(ctx, request_id, state, num_top, tier, outputs).model_dump(mode="json")
+    )
 
 
 def _chat_response(
-    ctx: ServerContext, request_id: str, state: RequestState, num_top: int | None, tier: str
+    ctx: ServerContext,
+    request_id: str,
+    state: RequestState,
+    num_top: int | None,
+    tier: str,
+    outputs: list[ChoiceOutput] | None = None,
 ) -> ChatCompletionResponse:
     choices = []
     for sample in state.samples:
         logprobs = None
         if num_top is not None and sample.logprobs is not None:
             logprobs = ChatLogprobs(content=chat_logprobs(sample.token_ids, sample.logprobs, num_top))
+        message = ChatResponseMessage(content=sample.text)
+        finish_reason = openai_finish_reason(sample.finish_reason)
+        if outputs is not None:
+            output = outputs[sample.index]
+            parts = output.message(sample)
+            message = ChatResponseMessage(
+                content=parts.content,
+                reasoning_content=parts.reasoning_content,
+                tool_calls=[call.to_openai() for call in parts.tool_calls],
+            )
+            finish_reason = openai_finish_reason(output.finish_reason(sample))
         choices.append(
             ChatChoice(
                 index=sample.index,
-                message=ChatResponseMessage(content=sample.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=openai_finish_reason(sample.finish_reason),
+                finish_reason=finish_reason,
                 stop_reason=sample.stop_reason,
             )
         )
@@ -185,8 +204,12 @@ def _chat_response(
     )
 
 
-def _chunk_choices(sample: SampleState, num_top: int | None, finish_sent: set[int]) -> list[ChatChunkChoice]:
+def _chunk_choices(
+    sample: SampleState, num_top: int | None, finish_sent: set[int], output: ChoiceOutput | None = None
+) -> list[ChatChunkChoice]:
     """The chunks a sample owes the client now: new content (with logprobs), then its finish."""
+    if output is not None:
+        return _parsed_chunk_choices(sample, num_top, finish_sent, output)
     delta = take_delta(sample)
     choices = []
     if delta.text or (num_top is not None and delta.logprobs):
@@ -215,6 +238,7 @@ async def _stream_chat(
     num_top: int | None,
     include_usage: bool,
     tier: str,
+    outputs: list[ChoiceOutput] | None = None,
 ) -> AsyncGenerator[str, None]:
     created = now_seconds()
 
@@ -237,11 +261,11 @@ async def _stream_chat(
             yield chunk([role])
         # The state may have moved on between acceptance and now: send that first, then follow it.
         for sample in state.samples:
-            for choice in _chunk_choices(sample, num_top, finish_sent):
+            for choice in _chunk_choices(sample, num_top, finish_sent, _output_of(outputs, sample)):
                 yield chunk([choice])
         async for _, current in merge_streams([stream]):
             for sample in current.samples:
-                for choice in _chunk_choices(sample, num_top, finish_sent):
+                for choice in _chunk_choices(sample, num_top, finish_sent, _output_of(outputs, sample)):
                     yield chunk([choice])
         if include_usage:
             yield chunk([], usage=usage_of([state]))
@@ -250,3 +274,47 @@ async def _stream_chat(
     finally:
         await stream.aclose()
     yield SSE_DONE
+
+
+def _output_of(outputs: list[ChoiceOutput] | None, sample: SampleState) -> ChoiceOutput | None:
+    return outputs[sample.index] if outputs is not None else None
+
+
+def _parsed_chunk_choices(
+    sample: SampleState, num_top: int | None, finish_sent: set[int], output: ChoiceOutput
+) -> list[ChatChunkChoice]:
+    """Like ``_chunk_choices``, with the text going through the choice's tool/reasoning parsers.
+
+    Parsers may hold text back (a tag not yet complete), so a step's logprobs wait in the sample's
+    unsent tokens until a chunk goes out; the finish chunk carries whatever is left.
+    """
+    finishing = sample.finish_reason is not None and sample.index not in finish_sent
+    text = sample.text[sample.sent_text :]
+    sample.sent_text = len(sample.text)
+    deltas = output.deltas(sample, text, finishing)
+    choices = []
+    for delta in deltas:
+        choices.append(
+            ChatChunkChoice(index=sample.index, delta=delta, logprobs=_take_logprobs(sample, num_top))
+        )
+    if finishing:
+        finish_sent.add(sample.index)
+        choices.append(
+            ChatChunkChoice(
+                index=sample.index,
+                delta={},
+                logprobs=_take_logprobs(sample, num_top),
+                finish_reason=openai_finish_reason(output.finish_reason(sample)),
+                stop_reason=sample.stop_reason,
+            )
+        )
+    return choices
+
+
+def _take_logprobs(sample: SampleState, num_top: int | None) -> ChatLogprobs | None:
+    if num_top is None:
+        return None
+    delta = take_delta(sample)  # its text was taken already; this takes the unsent tokens and logprobs
+    if not delta.logprobs:
+        return None
+    return ChatLogprobs(content=chat_logprobs(delta.token_ids, delta.logprobs, num_top))

@@ -106,6 +106,11 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also run llama-batched-bench on the same GGUF ($LLAMA_CPP_BIN), same prompt/output lengths",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--model-impl",
@@ -129,11 +134,30 @@ def main() -> None:
     else:
         ours = run_tokenmill(args, prompts, args.model_impl)
         print(f"tokenmill    : {ours:8.1f} output tok/s ({args.model_impl} model code)")
+    if args.llama_cpp:
+        peer = run_llama_cpp(args)
+        print(
+            f"llama.cpp    : {peer:8.1f} output tok/s (llama-batched-bench, {min(args.num_prompts, args.max_num_seqs)} parallel)"
+        )
+        print(f"vs llama.cpp : {ours / peer:8.2f}x")
     if args.skip_transformers:
         return
     theirs = run_transformers(args, prompts)
     print(f"transformers : {theirs:8.1f} output tok/s (static batches of {args.hf_batch_size})")
     print(f"ratio        : {ours / theirs:8.2f}x")
+
+
+def run_llama_cpp(args: argparse.Namespace) -> float:
+    """End-to-end output tokens/s of llama-batched-bench (prompt processing included, as ours is)."""
+    from peers import llama_batched_bench, llama_cpp_tool
+
+    binary = llama_cpp_tool("llama-batched-bench", None)
+    if binary is None:
+        raise SystemExit("llama-batched-bench not found: set LLAMA_CPP_BIN (see ../shared/PEERS.md)")
+    folder, name = gguf_location(args.model)
+    parallel = min(args.num_prompts, args.max_num_seqs)
+    row = llama_batched_bench(binary, os.path.join(folder, name), parallel, args.input_len, args.output_len)
+    return parallel * args.output_len / float(row["t"])
 
 
 if __name__ == "__main__":

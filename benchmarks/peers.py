@@ -181,3 +181,27 @@ def cpu_name() -> str:
         if match:
             return match.group(1)
     return "unknown CPU"
+
+
+def llama_batched_bench(
+    binary: str, gguf: str, parallel: int, prompt_len: int, output_len: int
+) -> dict[str, float]:
+    """One ``llama-batched-bench`` run: ``parallel`` sequences of ``prompt_len`` prompt tokens and
+    ``output_len`` generated tokens. Returns its JSON row (``speed_pp``, ``speed_tg``, ``t`` ...)."""
+    threads = str(os.cpu_count() or 2)
+    command = [binary, "-m", gguf, "-t", threads, "-c", str(parallel * (prompt_len + output_len) + 256)]
+    command += [
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        str(prompt_len),
+        "-ntg",
+        str(output_len),
+        "-npl",
+        str(parallel),
+    ]
+    command += ["--output-format", "jsonl"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return next(json.loads(line) for line in out.splitlines() if line.startswith("{"))

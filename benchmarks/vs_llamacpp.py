@@ -31,6 +31,7 @@ from peers import (
     bundled_gguf,
     cpu_name,
     git_describe,
+    llama_batched_bench,
     llama_cpp_tool,
     llama_server,
     requantized,
@@ -90,17 +91,11 @@ def llama_bench(binary: str, gguf: str, repeats: int) -> dict[str, float]:
 
 
 def llama_batched(binary: str, gguf: str, batch: int, output_len: int, repeats: int) -> dict[str, float]:
-    threads = str(os.cpu_count() or 2)
-    command = [binary, "-m", gguf, "-t", threads, "-c", str(batch * (128 + output_len) + 256)]
-    command += ["-b", "2048", "-ub", "512", "-npp", "128", "-ntg", str(output_len), "-npl", str(batch)]
-    command += ["--output-format", "jsonl"]
-    decode, prefill = [], []
-    for _ in range(repeats):
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        row = next(json.loads(line) for line in out.splitlines() if line.startswith("{"))
-        decode.append(float(row["speed_tg"]))
-        prefill.append(float(row["speed_pp"]))
-    return {"64-seq decode": statistics.median(decode), "prefill": statistics.median(prefill)}
+    rows = [llama_batched_bench(binary, gguf, batch, 128, output_len) for _ in range(repeats)]
+    return {
+        "64-seq decode": statistics.median(float(row["speed_tg"]) for row in rows),
+        "prefill": statistics.median(float(row["speed_pp"]) for row in rows),
+    }
 
 
 def server_rate(url: str, label: str, args: argparse.Namespace) -> float:

@@ -81,28 +81,32 @@ def _build_config(spec: TinySpec):  # type: ignore[no-untyped-def]
     return cls(**{**defaults, **spec.kwargs})  # a spec may override a default (e.g. the layer count)
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Spread the weights so that greedy outputs vary and argmax margins are wide.
+def spread_weights(
+    model: torch.nn.Module, seed: int, *, norm: float = 0.2, lm_head: float = 1.0, layers: float = 3.0
+) -> None:
+    """Spread a Llama-style model's weights so that greedy outputs vary and argmax margins are wide.
 
     The default init (std 0.02) gives near-uniform logits, so a tiny model repeats one token and a
     batching bug could not be told from a correct run; it also leaves near-ties that float rounding
-    may flip. Norm weights move away from 1 and biases away from 0 so that q/k norms and QKV biases
-    change the output.
+    may flip. Norm weights become ``1 + norm * noise`` and biases ``0.5 * noise`` (so that q/k norms
+    and QKV biases change the output), embeddings unit noise, the LM head ``lm_head * noise``, and
+    every other matrix ``layers`` times the variance-preserving scale: by default three times, so the
+    layers outweigh the embedding (with tied embeddings a model otherwise repeats its last token).
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             if "norm" in name:
-                param.copy_(1.0 + 0.2 * noise)
+                param.copy_(1.0 + norm * noise)
             elif name.endswith("bias"):
                 param.copy_(0.5 * noise)
-            elif "embed_tokens" in name or "lm_head" in name:
+            elif "embed_tokens" in name:
                 param.copy_(noise)
+            elif "lm_head" in name:
+                param.copy_(lm_head * noise)
             else:
-                # Three times the variance-preserving scale, so the layers outweigh the embedding
-                # (with tied embeddings a model otherwise just repeats its last input token).
-                param.copy_(3.0 * noise / param.shape[-1] ** 0.5)
+                param.copy_(layers * noise / param.shape[-1] ** 0.5)
 
 
 def _build_tokenizer():  # type: ignore[no-untyped-def]
@@ -131,7 +135,7 @@ def save_tiny_model(spec: TinySpec, seed: int, folder: str):  # type: ignore[no-
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_build_config(spec), dtype=torch.float32).eval()
-    _randomise(model, seed=seed)
+    spread_weights(model, seed=seed)
     model.save_pretrained(folder)
     _build_tokenizer().save_pretrained(folder)
     return model
@@ -185,7 +189,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Tiny
             config = _build_config(spec)
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-            _randomise(model, seed=sorted(TINY_SPECS).index(arch))
+            spread_weights(model, seed=sorted(TINY_SPECS).index(arch))
             model.generation_config.eos_token_id = None
             folder = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(folder)
@@ -286,18 +290,7 @@ def structured_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * noise)
-            elif "embed_tokens" in name:
-                param.copy_(noise)
-            elif "lm_head" in name:
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(2.0 * noise / param.shape[-1] ** 0.5)
+    spread_weights(model, seed=0, lm_head=0.5, layers=2.0)
     folder = tmp_path_factory.mktemp("tiny-structured")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

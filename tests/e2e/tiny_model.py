@@ -8,9 +8,10 @@ different continuations. It allows long sequences so tests can keep a request ru
 
 from __future__ import annotations
 
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tests.conftest import spread_weights
 
 VOCAB_SIZE = 256
 EOS_ID = 1
@@ -22,22 +23,6 @@ CHAT_TEMPLATE = (
 def words(token_ids: list[int]) -> str:
     """The text of ``token_ids`` as the tiny tokenizer writes it."""
     return " ".join(f"<{t}>" for t in token_ids)
-
-
-def _spread_weights(model: torch.nn.Module) -> None:
-    # The default init (std 0.02) gives near-uniform logits: near-ties that rounding can flip.
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
-            elif "embed_tokens" in name:
-                param.copy_(noise)
-            elif "lm_head" in name:
-                param.copy_(0.5 * noise)  # logits with std ~4: clear winners, yet sampling still varies
-            else:
-                param.copy_(2.0 * noise / param.shape[-1] ** 0.5)
 
 
 def build_tiny_model(path: str, max_positions: int = 4096) -> None:
@@ -55,7 +40,8 @@ def build_tiny_model(path: str, max_positions: int = 4096) -> None:
         bos_token_id=None,
     )
     model = LlamaForCausalLM(config).eval()
-    _spread_weights(model)
+    # Wide margins with sampling that still varies: logits with std ~4 (the LM head at half scale).
+    spread_weights(model, seed=0, norm=0.1, lm_head=0.5, layers=2.0)
     model.save_pretrained(path)
     vocab = {f"<{i}>": i for i in range(VOCAB_SIZE)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))

@@ -35,7 +35,7 @@ NUM_TOP = 3
 
 
 def spread_weights(model: torch.nn.Module, seed: int) -> None:
-    """Weights that make greedy outputs varied with wide argmax margins (see conftest._randomise),
+    """Weights that make greedy outputs varied with wide argmax margins (see conftest.spread_weights),
     for the GPT-2/NeoX parameter names: embeddings of unit scale, LayerNorm gains near 1, small biases."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

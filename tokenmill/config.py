@@ -59,13 +59,8 @@ def extension_cache_dir() -> str:
 
 def model_cache_dir() -> str:
     """Where model files tokenmill derives are cached: ``<cache_root()>/models`` (bundled GGUF files
-    assembled from chunk packages, the config and tokenizer converted from a GGUF's metadata)."""
+    assembled from chunk packages; the config, tokenizer and whole model converted from a GGUF)."""
     return os.path.join(cache_root(), "models")
-
-
-def converted_cache_dir() -> str:
-    """Where GGUF models converted to Hugging Face folders are kept (``<model_cache_dir()>/converted``)."""
-    return os.path.join(model_cache_dir(), "converted")
 
 
 def gguf_conversion_enabled() -> bool:

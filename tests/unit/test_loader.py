@@ -452,7 +452,7 @@ def test_smollm2_converted_once_then_loaded_from_the_cache(
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="tokenmill.loader"):
         converted = resolve_model("smollm2-135m")
-    assert converted.format == "hf" and converted.path.startswith(str(tmp_path / "models" / "converted"))
+    assert converted.format == "hf" and converted.path.startswith(str(tmp_path / "models" / "gguf-metadata"))
     assert "later starts load it" in caplog.text
 
     # Same config, tokenizer (with its chat template) and tensors, bit for bit, as the GGUF itself.
@@ -487,4 +487,4 @@ def test_gguf_without_a_tokenizer_is_read_directly(tmp_path: Path, monkeypatch: 
     _write_gguf(model, "llama", path)
     source = resolve_model(str(path))
     assert (source.format, source.path) == ("gguf", str(path))
-    assert not list((tmp_path / "cache").glob("models/converted/*/config.json"))
+    assert not list((tmp_path / "cache").glob("models/gguf-metadata/*/model-v*/config.json"))

@@ -20,8 +20,9 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +133,8 @@ def check_supported(path: str) -> None:
 
 
 def converted_metadata_folder(path: str) -> str:
-    """Where the config and tokenizer converted from ``path``'s metadata are cached.
+    """Where what is converted from the GGUF file ``path`` is cached: its config and tokenizer here,
+    and the whole model as a Hugging Face folder (``loader/converted_cache.py``).
 
     transformers converts GGUF metadata slowly (over a minute for Gemma 3's 262k-token vocabulary),
     so the result is saved once as Hugging Face files under ``model_cache_dir()/gguf-metadata``,
@@ -145,15 +147,31 @@ def converted_metadata_folder(path: str) -> str:
     return os.path.join(model_cache_dir(), "gguf-metadata", f"{os.path.basename(path)}-{key}")
 
 
-def _save_converted(saveable: Any, folder: str) -> None:
-    """Save a converted config or tokenizer into ``folder`` atomically; a failure only costs speed."""
+def save_atomically(folder: str, write: Callable[[str], None]) -> bool:
+    """Create ``folder`` by ``write(staging_folder)`` then one rename, so that a crash never leaves a
+    half-written folder that looks complete. Returns False (and logs why) when the cache cannot be
+    written (read-only, full, a concurrent writer won the rename): a failure only costs speed.
+    Exceptions other than OSError propagate; the staging folder is removed either way.
+    """
+    staging = None
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".staging-")
-        saveable.save_pretrained(staging)
+        write(staging)
         os.replace(staging, folder)
-    except OSError as exc:  # read-only cache, a concurrent writer won the rename, ...
-        logger.info("not caching converted GGUF metadata in %s: %s", folder, exc)
+        staging = None
+        return True
+    except OSError as exc:
+        logger.info("not caching converted GGUF data in %s: %s", folder, exc)
+        return False
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_converted(saveable: Any, folder: str) -> None:
+    """Save a converted config or tokenizer into ``folder`` (see ``save_atomically``)."""
+    save_atomically(folder, saveable.save_pretrained)
 
 
 def load_config(path: str) -> transformers.PretrainedConfig:

@@ -131,8 +131,7 @@ def _converted(gguf_path: str) -> str | None:
     except Exception as exc:  # a GGUF without a usable tokenizer: keep the GGUF path, which reports it
         logger.info("not converting %s: its tokenizer does not load (%s)", gguf_path, exc)
         return None
-    try:
-        return converted_cache.convert(gguf_path, gguf.hf_config, tokenizer, gguf.iter_weights())
-    except OSError as exc:
-        logger.warning("could not cache the converted GGUF (%s); reading the GGUF directly", exc)
-        return None
+    folder = converted_cache.convert(gguf_path, gguf.hf_config, tokenizer, gguf.iter_weights())
+    if folder is None:
+        logger.warning("could not cache the converted GGUF %s; reading the GGUF directly", gguf_path)
+    return folder

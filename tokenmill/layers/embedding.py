@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
-from tokenmill.layers.quantization import INT8_MAX_ROWS, dequantize_int8_rows, int8_linear, quantize_int8_rows
+from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
 
 class VocabEmbedding(nn.Module):
@@ -67,8 +67,7 @@ class LMHead(nn.Module):
         if (
             self.int8_weight is not None
             and self.int8_scales is not None
-            and 0 < hidden.shape[0] <= INT8_MAX_ROWS
-            and hidden.dtype == self.int8_scales.dtype
+            and int8_rows(hidden, self.int8_scales)
         ):
             return int8_linear(hidden, self.int8_weight, self.int8_scales, None).float()  # [num_rows, vocab]
         if self.packed_weight is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:

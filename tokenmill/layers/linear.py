@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
-from tokenmill.layers.quantization import INT8_MAX_ROWS, dequantize_int8_rows, int8_linear, quantize_int8_rows
+from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
 
 def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -57,13 +57,7 @@ class LinearBase(nn.Module):
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (
-            self.int8_weight is not None
-            and self.int8_scales is not None
-            and x.dim() == 2
-            and 0 < x.shape[0] <= INT8_MAX_ROWS
-            and x.dtype == self.int8_scales.dtype
-        ):
+        if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):
             return int8_linear(x, self.int8_weight, self.int8_scales, bias)
         if self.packed_weight is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0]:
             return packed_linear(x, self.packed_weight, bias)

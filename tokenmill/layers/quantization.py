@@ -48,6 +48,12 @@ def dequantize_int8_rows(qweight: torch.Tensor, scales: torch.Tensor) -> torch.T
     return (qweight.float() * scales.float()[:, None]).to(scales.dtype)  # [out_features, in_features]
 
 
+def int8_rows(x: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether a layer quantized with ``scales`` (None: not quantized) takes ``x`` through the int8
+    kernel: a 2-D input of 1 to ``INT8_MAX_ROWS`` rows in the scales' dtype."""
+    return scales is not None and x.dim() == 2 and 0 < x.shape[0] <= INT8_MAX_ROWS and x.dtype == scales.dtype
+
+
 def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

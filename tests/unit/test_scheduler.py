@@ -329,6 +329,54 @@ def test_siblings_share_the_prompt_blocks_of_the_first_sample() -> None:
     assert all(h.outputs[f"g-{i}"] == reference(prompt, 4) for i in range(3))
 
 
+def test_a_request_waits_for_a_prefix_another_request_is_computing_then_matches_it() -> None:
+    # Four requests share a 3-block prefix that is not cached yet. Only the first computes it (in two
+    # chunks); the others wait, then match all three blocks instead of computing copies alongside.
+    h = Harness(num_blocks=64, budget=8, prefix_caching=True)
+    shared = prompt_of(12, 100)
+    prompts = {f"q{k}": shared + prompt_of(3, 10 * k + 1) for k in range(4)}
+    prompts["other"] = prompt_of(6, 500)  # shares nothing with them
+    requests = {name: h.add(name, prompt, max_tokens=3) for name, prompt in prompts.items()}
+    plan, _ = h.step()
+    assert ids(plan) == ["q0"]  # q1..q3 wait for q0's blocks; q0's 8-token chunk takes the budget
+    plan, _ = h.step()
+    assert ids(plan) == ["q0", "other"]  # q0's last 7 tokens; its third block is still in flight
+    h.run()
+    first_start = {}
+    for plan in h.plans:
+        for entry in plan.scheduled:
+            first_start.setdefault(entry.request_id, entry.start_position)
+    assert first_start == {"q0": 0, "other": 0, "q1": 12, "q2": 12, "q3": 12}
+    assert [requests[f"q{k}"].num_cached_tokens for k in range(4)] == [0, 12, 12, 12]
+    assert all(h.outputs[name] == reference(p, 3) for name, p in prompts.items())
+
+
+@pytest.mark.parametrize("tier", ["flex", "priority"])
+def test_only_publishing_requests_of_the_same_or_a_better_class_are_waited_for(tier: str) -> None:
+    h = Harness(num_blocks=64, budget=8, prefix_caching=True)
+    shared = prompt_of(12, 300)
+    h.add("flex", shared + [1], max_tokens=2, service_tier="flex")
+    h.step()  # two of its four blocks computed and cached
+    h.add("late", shared + [2], max_tokens=2, service_tier=tier)
+    plan, _ = h.step()
+    starts = {e.request_id: e.start_position for e in plan.scheduled}
+    if tier == "flex":
+        assert starts == {"flex": 8}  # waits: the flex request is computing its third block
+    else:
+        # A priority request does not wait on a worse class, which may not progress soon.
+        assert starts == {"late": 8, "flex": 8}
+    h.run()
+    assert h.outputs["late"] == reference(shared + [2], 2)
+
+    # A request with prompt logprobs never publishes its blocks, so nobody waits for it.
+    h = Harness(num_blocks=64, budget=64, prefix_caching=True)
+    logprobs = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    h.add("logprobs", shared + [1], max_tokens=2, sampling_params=logprobs)
+    h.add("plain", shared + [3], max_tokens=2)
+    plan, _ = h.step()
+    assert ids(plan) == ["logprobs", "plain"]
+
+
 # ---------------------------------------------------------------- everything at once, at random
 
 

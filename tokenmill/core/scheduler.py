@@ -310,6 +310,8 @@ class Scheduler:
             leader = self._sibling_leader(request)
             if leader is not None and not self._leader_prompt_ready(leader, request):
                 continue  # wait until the leader has computed the shared prompt blocks
+            if leader is None and self._prefix_in_flight(key, request):
+                continue  # match the shared blocks once a running request has computed them
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._make_room_for(key):
                     return False, num_made_room
@@ -380,6 +382,16 @@ class Scheduler:
         if full_prompt_tokens == 0:
             return True
         return leader.status == RequestStatus.RUNNING and leader.num_computed_tokens >= full_prompt_tokens
+
+    def _prefix_in_flight(self, key: ClassKey, request: Request) -> bool:
+        """Whether a running request of class ``key`` or better is computing blocks ``request`` shares
+        beyond its cached prefix. Requests of worse classes do not count: they may not progress soon."""
+        computing = [
+            r
+            for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens and self.tiers.class_key(r) <= key
+        ]
+        return bool(computing) and self.kv.prefix_in_flight(request, computing)
 
     def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

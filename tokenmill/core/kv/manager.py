@@ -149,6 +149,36 @@ class KVCacheManager:
         blocks = self.radix.peek_prefix_blocks(self.namespace(request), request.all_token_ids[:limit])
         return int(blocks) * self.block_size
 
+    def prefix_in_flight(self, request: Request, running: list[Request]) -> bool:
+        """Whether a running request is still computing blocks that would extend ``request``'s cached
+        prefix: a waiting request that starts with those blocks does better to wait a step or two and
+        match them than to compute a copy of them alongside (in-batch prefix sharing).
+
+        Only requests that publish their blocks to the tree count (same namespace, no prompt
+        logprobs, not detached), and only blocks beyond what the tree already holds for ``request``.
+        Changes nothing.
+        """
+        if self.radix is None or request.wants_prompt_logprobs:
+            return False
+        namespace = self.namespace(request)
+        tokens = request.all_token_ids
+        limit_blocks = (request.num_tokens - 1) // self.block_size
+        cached_blocks: int | None = None
+        for other in running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.wants_prompt_logprobs:
+                continue  # decoding (its prompt blocks are published) or never publishing
+            allocation = self._allocations.get(other.request_id)
+            if allocation is None or allocation.detached or self.namespace(other) != namespace:
+                continue
+            shared = _common_full_blocks(tokens, other.prompt_token_ids, self.block_size, limit_blocks)
+            if shared * self.block_size <= other.num_computed_tokens:
+                continue  # the shared blocks are computed and published already
+            if cached_blocks is None:
+                cached_blocks = self.peek_prefix_tokens(request) // self.block_size
+            if shared > cached_blocks:
+                return True
+        return False
+
     def share_prefix(self, source_id: str, request: Request, num_tokens: int) -> int:
         """Give a fresh ``request`` the first full blocks of ``source_id``'s table (n > 1 siblings).
 
@@ -294,3 +324,15 @@ class KVCacheManager:
         return not self._allocations and self.pool.num_used == (
             self.radix.cached_blocks if self.radix is not None else 0
         )
+
+
+def _common_full_blocks(a: list[int], b: list[int], block_size: int, limit_blocks: int) -> int:
+    """How many leading ``block_size`` blocks ``a`` and ``b`` have in common, at most ``limit_blocks``."""
+    num_blocks = min(len(a) // block_size, len(b) // block_size, limit_blocks)
+    matched = 0
+    while matched < num_blocks:
+        start = matched * block_size
+        if a[start : start + block_size] != b[start : start + block_size]:
+            break
+        matched += 1
+    return matched

@@ -53,12 +53,19 @@ def build_step(
     block_size: int = 16,
     window: int | None = None,
     seed: int = 0,
+    split_decodes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One step: a decode token for each ``seq_lens`` entry (its last position) and, for each
-    ``(start, length)`` in ``prompt_chunks``, a prompt chunk; every sequence's blocks are scattered."""
+    ``(start, length)`` in ``prompt_chunks``, a prompt chunk; every sequence's blocks are scattered.
+    Decode rows come first (one consecutive slice) unless ``split_decodes`` puts the prompt chunks
+    after the first decode row."""
     generator = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    spans = [(n - 1, 1) for n in seq_lens] + list(prompt_chunks)  # (start position, new tokens)
+    decodes = [(n - 1, 1) for n in seq_lens]
+    # (start position, new tokens) of each sequence, in batch order
+    spans = (
+        decodes[:1] + list(prompt_chunks) + decodes[1:] if split_decodes else decodes + list(prompt_chunks)
+    )
     blocks_needed = [-(-(start + n) // block_size) for start, n in spans]
     num_blocks = sum(blocks_needed) + 7
     pool = list(range(num_blocks))
@@ -95,6 +102,7 @@ def run_both(
     prompt_chunks: tuple[tuple[int, int], ...] = (),
     block_size: int = 16,
     window: int | None = None,
+    split_decodes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(reference output, kernel output, reference cache after, kernel cache after)."""
     query, key, value, kv_cache, metadata = build_step(
@@ -106,6 +114,7 @@ def run_both(
         dtype=dtype,
         block_size=block_size,
         window=window,
+        split_decodes=split_decodes,
     )
     scale = head_dim**-0.5
     ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
@@ -139,13 +148,24 @@ def test_decode_matches_reference(
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("split_decodes", [False, True], ids=["decode-slice", "decode-gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_odd_head_dim_small_blocks_and_mixed_prompt_chunks(dtype: torch.dtype) -> None:
+def test_odd_head_dim_small_blocks_and_mixed_prompt_chunks(dtype: torch.dtype, split_decodes: bool) -> None:
     """head_dim 24 (not a multiple of the 16-lane vectors), block_size 4 as the engine tests use,
-    and prompt chunks in the same step (they take the reference path; their rows must be untouched)."""
-    expected, actual, _, _ = run_both(
-        4, 2, 24, dtype, seq_lens=[1, 3, 4, 5, 22], prompt_chunks=((0, 6), (9, 3)), block_size=4, window=7
+    and prompt chunks in the same step (they take the reference path; their rows must be untouched),
+    after the decode rows (read as one slice) or between them (gathered)."""
+    expected, actual, ref_cache, cpu_cache = run_both(
+        4,
+        2,
+        24,
+        dtype,
+        seq_lens=[1, 3, 4, 5, 22],
+        prompt_chunks=((0, 6), (9, 3)),
+        block_size=4,
+        window=7,
+        split_decodes=split_decodes,
     )
+    assert torch.equal(ref_cache, cpu_cache)
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
 
@@ -203,6 +223,15 @@ def test_the_loaded_kernel_is_the_cached_build() -> None:
     """The cache key still names the folder the loaded library came from (it once changed after the
     build, because cpp_extension appends to the flag lists it is given)."""
     assert (cpu_kernel.build_directory() / f"{cpu_kernel.NAME}.so").exists()
+
+
+def test_write_kv_rejects_a_slot_outside_the_cache() -> None:
+    cache = torch.zeros(3, 4, 2, 16)  # 12 slots
+    rows = torch.randn(2, 2, 16)
+    with pytest.raises(RuntimeError, match="slot 12 outside the cache's 12"):
+        cpu_kernel.write_kv(rows, rows, cache, cache.clone(), torch.tensor([0, 12]))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernel.write_kv(rows.bfloat16(), rows.bfloat16(), cache, cache.clone(), torch.tensor([0, 1]))
 
 
 def test_kernel_rejects_bad_inputs() -> None:

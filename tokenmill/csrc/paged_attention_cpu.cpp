@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "vec16.h"
@@ -314,9 +315,16 @@ void attend_item(const Problem<scalar_t>& p, Scratch& s, int64_t seq, int64_t kv
   // The bytes of a row the range reads: KV heads [kv0, kv1) (the last one only head_dim long).
   const int64_t prefetch_bytes = ((kv1 - kv0 - 1) * p.k_stride_head + p.head_dim) * elem;
   int cur = 0;
-  if (first < seq_len)
-    find_rows(p, table, first, std::min<int64_t>(kChunkTokens, seq_len - first), s.k_rows[cur],
-              s.v_rows[cur]);
+  if (first < seq_len) {
+    const int64_t n = std::min<int64_t>(kChunkTokens, seq_len - first);
+    find_rows(p, table, first, n, s.k_rows[cur], s.v_rows[cur]);
+    // Later chunks are prefetched while the one before them is computed; the first has nothing
+    // before it, so ask for all of its rows at once: the misses then overlap instead of queueing
+    // behind the dot products one row at a time.
+    const Chunk first_rows{nullptr, nullptr, 0, s.k_rows[cur], s.v_rows[cur], n,
+                           kv0 * p.k_stride_head * elem, kv0 * p.v_stride_head * elem, prefetch_bytes};
+    for (int64_t i = 0; i < n; ++i) prefetch_next(first_rows, i);
+  }
   for (int64_t pos = first; pos < seq_len; pos += kChunkTokens) {
     const int64_t next = pos + kChunkTokens;
     const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, seq_len - next));
@@ -446,6 +454,57 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// Stores each token's key and value rows at its slot of the paged cache:
+//   key, value   [T, kv_heads, head_dim], each row (kv_heads * head_dim elements) contiguous
+//   key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim] contiguous, key's dtype
+//   slot_mapping [T] int64, every slot in [0, num_blocks * block_size)
+// Equivalent to index_copy_ into the caches viewed as [num_slots, kv_heads, head_dim]. The slots are
+// scattered over the pool and usually not in cache: every destination line is requested before any
+// row is written, so the misses overlap instead of each copy waiting for its own.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
+              "key and value must both be [T, kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "key_cache/value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key, value and the caches must share a dtype");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "key rows do not match the cache's [kv_heads, head_dim]");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "each token's key/value row must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK(key.device().is_cpu() && key_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "write_kv runs on CPU tensors");
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  char* k_dst = static_cast<char*>(key_cache.data_ptr());
+  char* v_dst = static_cast<char*>(value_cache.data_ptr());
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(k_dst + slots[t] * row_bytes + b, 1, 3);
+        __builtin_prefetch(v_dst + slots[t] * row_bytes + b, 1, 3);
+      }
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(k_dst + slots[t] * row_bytes, k_src + t * k_stride, row_bytes);
+      std::memcpy(v_dst + slots[t] * row_bytes, v_src + t * v_stride, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace tokenmill
 
@@ -453,8 +512,10 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_attention_decode", &tokenmill::paged_attention_decode);
+  m.impl("write_kv", &tokenmill::write_kv);
 }

@@ -136,9 +136,9 @@ class Sampler(torch.nn.Module):
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)  # [num_rows]
+            return greedy_tokens(logits)  # [num_rows]
         # Greedy first: the random path below edits ``logits`` in place.
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [num_rows]
+        greedy = None if metadata.all_random else greedy_tokens(logits)  # [num_rows]
         sampled = self._sample_random(logits, metadata)  # [num_rows]
         if greedy is None:
             return sampled
@@ -158,7 +158,16 @@ class Sampler(torch.nn.Module):
         num_rows, vocab = logits.shape
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
         noise = exponential_noise(num_rows, vocab, metadata.generators, logits.device)  # [num_rows, vocab]
-        return probs.div_(noise).argmax(dim=-1)
+        return greedy_tokens(probs.div_(noise))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The best token of each row, the first one on ties (as ``argmax``), NaN counting as the best.
+
+    ``max(dim).indices`` has ``argmax``'s documented semantics and runs about 2.5x faster on CPU
+    (2.2 ms vs 0.85 ms for 64 rows of a 49k vocabulary), where it is a visible part of a decode step.
+    """
+    return logits.max(dim=-1).indices  # [num_rows]
 
 
 def _apply_penalties_from_metadata(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -24,6 +24,8 @@ class AttentionGroup:
     For kernels that read the paged cache directly instead of gathering: ``block_tables[s]`` lists
     the sequence's physical blocks (padded with block 0), ``seq_lens[s]`` its length after this step,
     and ``sliding_window`` (None: full attention) how many trailing positions a query may see.
+    ``first_row`` is set when the valid rows are consecutive (``first_row, first_row + 1, ...``), so
+    a kernel can read and write them as one slice instead of gathering and scattering.
     """
 
     query_rows: torch.Tensor  # [S, Q] int64
@@ -35,6 +37,7 @@ class AttentionGroup:
     block_tables: torch.Tensor | None = None  # [S, max_blocks] int64
     seq_lens: torch.Tensor | None = None  # [S] int64
     sliding_window: int | None = None
+    first_row: int | None = None
 
 
 @dataclass

@@ -75,6 +75,12 @@ def allocate_kv_caches(
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
     per_layer = math.prod(shape)
     element_size = torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, max(num_layers * per_layer * element_size, 1))
+    memory = mmap.mmap(
+        -1, max(num_layers * per_layer * element_size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # 2 MiB pages: attention reads blocks scattered over gigabytes, and with 4 KiB pages most of
+        # those reads also miss the TLB. Advice only: the kernel may decline.
+        memory.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(memory, dtype=dtype, count=num_layers * per_layer)  # keeps `memory` alive
     return [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(num_layers)]

@@ -21,6 +21,7 @@ from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_noise, make_generator
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_noise_draws
 from tokenmill.structured.manager import GrammarBitmask
+from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, num_blocks_for_budget
 
@@ -46,8 +47,10 @@ class ModelRunner:
         self.device = torch.device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
+            keep_large_buffers_in_heap()
         torch.manual_seed(config.model.seed)
 
         start = time.perf_counter()
@@ -314,6 +317,11 @@ class ModelRunner:
             # A query sees only the last `sliding_window` positions, itself included.
             mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
         valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
+        first = offsets[members[0]]
+        rows_are_consecutive = all(
+            offsets[i] == first + k * num_queries and len(entries[i].token_ids) == num_queries
+            for k, i in enumerate(members)
+        )
         return AttentionGroup(
             query_rows=query_rows.to(device),
             kv_slots=kv_slots.to(device),
@@ -324,6 +332,7 @@ class ModelRunner:
             block_tables=tables.to(device),
             seq_lens=(starts + num_new).to(device),
             sliding_window=sliding_window,
+            first_row=first if rows_are_consecutive else None,
         )
 
 

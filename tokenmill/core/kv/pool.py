@@ -21,6 +21,10 @@ class BlockPool:
     blocks already in use; ``free`` drops one holder from each block and returns a block to the free
     list when its last holder lets go. A free block is never referenced and a referenced block is
     never on the free list (``check_integrity`` asserts both).
+
+    The free list is a stack: the block freed last is handed out first (lowest ids first at start).
+    Its memory was touched recently, so it is still mapped and likely still in cache; a queue would
+    cycle through the whole pool, and on CPU every block's first use faults in fresh pages.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -28,7 +32,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))  # top of the stack: the right end
 
     @property
     def num_free(self) -> int:
@@ -46,7 +50,7 @@ class BlockPool:
         """Take ``n`` free blocks, each with one reference. Raises NoFreeBlocksError if short."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._ref_counts[b] = 1
         return blocks
@@ -60,7 +64,8 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one holder from each block; blocks whose count reaches zero become free."""
-        for b in blocks:
+        # Pushed last to first, so a later allocation gets them back in their original order.
+        for b in reversed(blocks):
             count = self._ref_counts[b]
             if count <= 0:
                 raise ValueError(f"double free of block {b}")

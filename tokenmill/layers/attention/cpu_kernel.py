@@ -122,6 +122,20 @@ def paged_attention_decode(
     return _op()(query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0))
 
 
+def write_kv(
+    key: torch.Tensor,  # [T, kv_heads, head_dim], rows contiguous
+    value: torch.Tensor,  # [T, kv_heads, head_dim], rows contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] contiguous
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store token ``t``'s key and value rows at slot ``slot_mapping[t]`` of the caches (as
+    ``index_copy_`` into the caches viewed as ``[num_slots, kv_heads, head_dim]``, with the cache-line
+    misses of the scattered slots overlapped). RuntimeError on a slot outside the cache."""
+    _op()  # builds the kernels, or raises
+    torch.ops.tokenmill.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
 @functools.cache
 def _op():  # type: ignore[no-untyped-def]
     error = load_error()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.attention.cpu_kernel import MAX_HEAD_DIM, paged_attention_decode
+from tokenmill.layers.attention.cpu_kernel import MAX_HEAD_DIM, paged_attention_decode, write_kv
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.worker.forward_batch import AttentionGroup
 
@@ -34,8 +34,9 @@ class CpuPagedAttention(TorchPagedAttention):
             return
         assert group.block_tables is not None and group.seq_lens is not None
         rows = group.valid_rows  # [S]: a decode group has one valid row per sequence
+        first, num_seqs = group.first_row, group.block_tables.shape[0]
         attended = paged_attention_decode(
-            query.index_select(0, rows),  # [S, num_heads, head_dim]
+            query.index_select(0, rows) if first is None else query[first : first + num_seqs],  # [S, H, D]
             kv_cache[0],
             kv_cache[1],
             group.block_tables,
@@ -43,7 +44,23 @@ class CpuPagedAttention(TorchPagedAttention):
             self.scale,
             group.sliding_window,
         )  # [S, num_heads, head_dim]
-        out.index_copy_(0, rows, attended)
+        if first is None:
+            out.index_copy_(0, rows, attended)
+        else:
+            out[first : first + num_seqs] = attended
+
+    def _store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        rows_contiguous = key.stride()[1:] == value.stride()[1:] == (self.head_dim, 1)
+        if key.dtype == value.dtype == kv_cache.dtype and rows_contiguous:
+            write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        else:
+            super()._store_kv(key, value, kv_cache, slot_mapping)
 
     def _kernel_handles(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> bool:
         return (

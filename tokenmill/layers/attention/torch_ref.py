@@ -37,15 +37,24 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
-        value_cache.index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
-
+        self._store_kv(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         for group in metadata.groups:
             self._attend_group(query, kv_cache, group, out)
         return out
+
+    def _store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Write this step's keys and values to their slots."""
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
     def _attend_group(
         self,

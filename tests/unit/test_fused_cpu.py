@@ -87,3 +87,21 @@ def test_rotary_rejects_positions_outside_the_cache() -> None:
     key = torch.randn(2, 1, 8, dtype=BF16)
     with pytest.raises(RuntimeError, match="outside the rotary cache"):
         rotary(torch.tensor([3, 16]), query, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("size", [49152, 49155, 7, 16, 33])
+def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities(dtype: torch.dtype, size: int) -> None:
+    assert fused_cpu.argmax_applies_to(torch.zeros(2, size, dtype=dtype))
+    x = torch.randn(12, size, generator=torch.Generator().manual_seed(size)).to(dtype)
+    x[1, :] = x[1, 0]  # all tied: the first index
+    x[2, size - 1] = x[2].max() + 1  # the maximum in the scalar tail (size % 16 != 0)
+    x[3, size // 2] = float("nan")  # NaN beats everything, the first NaN wins
+    x[3, size - 1] = float("nan")
+    x[4, 1] = float("inf")
+    x[5, :] = float("-inf")
+    x[6, :] = -5.0  # every value negative and tied
+    x[7, 0], x[7, size - 1] = 3e4, 3e4  # tie between the first and the last column
+    assert torch.equal(fused_cpu.argmax_rows(x), x.argmax(dim=-1))
+    sliced = x[:, : size - 1] if size > 1 else x  # rows with a stride larger than their length
+    assert torch.equal(fused_cpu.argmax_rows(sliced), sliced.argmax(dim=-1))

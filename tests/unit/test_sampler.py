@@ -499,3 +499,13 @@ def test_build_metadata_fields() -> None:
     assert metadata.logit_bias == [None, None, {1: 2.0}, None]
     assert metadata.min_tokens_block == {2: [0]}
     assert metadata.max_num_logprobs == 3
+
+
+def test_greedy_on_bfloat16_logits_picks_the_float32_argmax() -> None:
+    """The plain-greedy path samples straight from bfloat16 logits; upcasting first gives the same."""
+    logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits[2, :] = 1.0  # a full tie: the first token
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(9)]
+    out = Sampler()(logits.clone(), build_sampling_metadata(rows, torch.device("cpu")))
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))
+    assert out.sampled_token_ids[2] == 0

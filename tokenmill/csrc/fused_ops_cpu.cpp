@@ -186,6 +186,66 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// The index of each row's largest value, the first one on ties, as torch.argmax: a NaN counts as
+// larger than everything (the first NaN wins). Two vectorized passes: the maximum, then the first
+// index holding it (the row is in cache by then). A row with a NaN or an infinity (then 0 * x is not
+// 0) takes an exact scalar pass instead.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t size) {
+  const int64_t full = size / vec::kLanes * vec::kLanes;
+  vec::Vec best = vec::splat(vec::kNegInf), probe = vec::zero();
+  for (int64_t i = 0; i < full; i += vec::kLanes) {
+    const vec::Vec x = vec::load(row + i, vec::kLanes);
+    best = vec::max(best, x);
+    probe = vec::add(probe, vec::mul(x, vec::zero()));
+  }
+  float top = vec::reduce_max(best);
+  bool finite = vec::reduce_add(probe) == 0.0f;
+  for (int64_t i = full; i < size; ++i) {
+    const float x = static_cast<float>(row[i]);
+    finite = finite && std::isfinite(x);
+    top = std::max(top, x);
+  }
+  if (!finite) {
+    int64_t index = 0;
+    float value = static_cast<float>(row[0]);
+    for (int64_t i = 0; i < size; ++i) {
+      const float x = static_cast<float>(row[i]);
+      if (std::isnan(x)) return i;
+      if (x > value) value = x, index = i;
+    }
+    return index;
+  }
+  for (int64_t i = 0; i < full; i += vec::kLanes) {
+    const int lane = vec::first_equal(vec::load(row + i, vec::kLanes), top);
+    if (lane >= 0) return i + lane;
+  }
+  for (int64_t i = full; i < size; ++i)
+    if (static_cast<float>(row[i]) == top) return i;
+  return 0;  // unreachable: top is one of the row's values
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), size = x.size(1);
+  TORCH_CHECK(size > 0, "argmax_rows needs at least one column");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t stride = x.stride(0);
+  const auto run = [&](const auto* data) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(data + r * stride, size);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows supports bfloat16 and float32, got ", x.scalar_type());
+    run(x.data_ptr<float>());
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace tokenmill
 
@@ -196,6 +256,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_cache, Tensor sin_cache, "
       "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -203,4 +264,5 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("add_rms_norm", &tokenmill::add_rms_norm);
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
+  m.impl("argmax_rows", &tokenmill::argmax_rows);
 }

@@ -54,6 +54,11 @@ inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 // Zeroes the lanes from n on.
 inline Vec keep(Vec a, int n) { return {_mm512_maskz_mov_ps(lane_mask(n), a.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+// The first lane equal to x, or -1.
+inline int first_equal(Vec a, float x) {
+  const __mmask16 hits = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+  return hits == 0 ? -1 : __builtin_ctz(hits);
+}
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 
 // Lane i of the result is the sum of the 16 floats of row i (rows: 16 rows of 16 floats). A
@@ -154,6 +159,11 @@ inline float reduce_add(Vec a) {
   float sum = 0.0f;
   for (float lane : a.v) sum += lane;
   return sum;
+}
+inline int first_equal(Vec a, float x) {
+  for (int i = 0; i < kLanes; ++i)
+    if (a.v[i] == x) return i;
+  return -1;
 }
 inline float reduce_max(Vec a) {
   float best = kNegInf;

@@ -29,7 +29,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states to float32 logits; ``tied_to`` shares an embedding's weight."""
+    """Projects hidden states to logits in the activation dtype (the sampler upcasts to float32 where it
+    needs to; a greedy step does not); ``tied_to`` shares an embedding's weight."""
 
     def __init__(
         self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tied_to: VocabEmbedding | None = None
@@ -69,10 +70,10 @@ class LMHead(nn.Module):
             and self.int8_scales is not None
             and int8_rows(hidden, self.int8_scales)
         ):
-            return int8_linear(hidden, self.int8_weight, self.int8_scales, None).float()  # [num_rows, vocab]
+            return int8_linear(hidden, self.int8_weight, self.int8_scales, None)  # [num_rows, vocab]
         if self.packed_weight is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
-            return packed_linear(hidden, self.packed_weight, None).float()  # [num_rows, vocab_size]
-        return F.linear(hidden, self._projection_weight()).float()  # [num_rows, vocab_size]
+            return packed_linear(hidden, self.packed_weight, None)  # [num_rows, vocab_size]
+        return F.linear(hidden, self._projection_weight())  # [num_rows, vocab_size]
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if self.tied_to is not None:

@@ -74,3 +74,20 @@ def rotary_embedding(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate).to(dtype) * up`` for ``gate_up = [gate | up]`` ``[rows, 2 * size]``."""
     return torch.ops.tokenmill.silu_and_mul(gate_up)  # [rows, size]
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D CPU tensor with contiguous rows (first index on ties, NaN wins)."""
+    return torch.ops.tokenmill.argmax_rows(x)  # [rows] int64
+
+
+def argmax_applies_to(x: torch.Tensor) -> bool:
+    """Whether ``argmax_rows`` serves ``x``: bfloat16 or float32 rows on CPU, with the kernels built."""
+    return (
+        x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and x.device.type == "cpu"
+        and _kernels_loaded()
+    )

@@ -234,7 +234,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.norm(hidden)  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)  # [num_rows, vocab_size] float32
+        logits = self.lm_head(hidden).float()  # [num_rows, vocab_size]; soft-capped in float32
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

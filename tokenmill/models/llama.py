@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [num_rows, vocab_size] float32
+        return self.lm_head(hidden)  # [num_rows, vocab_size] activation dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into this model; returns the names used.

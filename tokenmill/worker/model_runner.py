@@ -151,7 +151,7 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
-        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] float32
+        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] float32 or activation dtype
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
         if num_sampling:

@@ -16,7 +16,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import attention
-from tokenmill.layers.attention import cpu_kernel, select_attention_backend
+from tokenmill.layers.attention import cpu_kernel, select_attention_backend, torch_ref
 from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.worker.forward_batch import AttentionMetadata
@@ -291,3 +291,25 @@ def test_llm_greedy_tokens_are_the_same_with_both_backends(tiny_model, monkeypat
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["cpu"] == tokens["torch"]
     assert tokens["cpu"] == [model.greedy(p, 20) for p in prompts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_sequence_attention_of_long_chunks_matches_the_padded_batch(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks that start their sequence (plain causal) and chunks that continue one (masked rows),
+    of different lengths in one group: the per-sequence path gives the padded batch's result."""
+    query, key, value, kv_cache, metadata = build_step(
+        [5, 40],
+        ((0, 37), (16, 21), (0, 3), (48, 30)),
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+    )
+    backend = TorchPagedAttention(6, 2, 64, 0.125)
+    outputs = []
+    for threshold in (10**9, 1):  # padded batch, then one call per sequence
+        monkeypatch.setattr(torch_ref, "PER_SEQUENCE_MIN_QUERIES", threshold)
+        outputs.append(backend.forward(query, key, value, kv_cache.clone(), metadata))
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=ATOL[dtype], rtol=0)

@@ -56,10 +56,17 @@ def test_rmsnorm_module_uses_the_same_numbers_on_both_paths() -> None:
     assert torch.equal(normed, norm._norm(expected_sum))
 
 
-def test_silu_and_mul_matches_unfused() -> None:
-    gate_up = torch.randn(13, 2 * 1536, dtype=BF16) * 4
-    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+@pytest.mark.parametrize("size", [1536, 70])  # 70: a partial last vector
+def test_silu_and_mul_matches_unfused(size: int) -> None:
+    gate_up = torch.randn(13, 2 * size, dtype=BF16) * 4
+    expected = F.silu(gate_up[:, :size]) * gate_up[:, size:]
     assert torch.equal(fused_cpu.silu_and_mul(gate_up), expected)
+
+
+def test_rms_norm_of_a_width_with_a_partial_last_vector_matches_unfused() -> None:
+    x = torch.randn(3, 100, dtype=BF16) * 3
+    weight = torch.randn(100, dtype=BF16)
+    assert torch.equal(fused_cpu.rms_norm(x, weight, 1e-5), _llama_norm(x, weight, 1e-5))
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "vec16.h"
 
@@ -49,6 +50,14 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
         sum += v * v;
       }
       const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (int64_t i = 0; i < hidden; i += vec::kLanes) {
+          const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, hidden - i));
+          const vec::Vec normed = vec::round_bf16(vec::mul(vec::load(xr + i, n), vec::splat(inv_rms)));
+          vec::store(outr + i, vec::mul(vec::load(weight + i, n), normed), n);
+        }
+        continue;
+      }
       for (int64_t i = 0; i < hidden; ++i) {
         const float normed = round_to<T>(static_cast<float>(xr[i]) * inv_rms);
         outr[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
@@ -159,6 +168,16 @@ void silu_and_mul_rows(const T* xp, int64_t x_stride, T* op, int64_t rows, int64
       const T* gate = xp + r * x_stride;
       const T* up = gate + size;
       T* o = op + r * size;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (int64_t i = 0; i < size; i += vec::kLanes) {
+          const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, size - i));
+          const vec::Vec g = vec::load(gate + i, n);
+          const vec::Vec e = vec::exp(vec::mul(g, vec::splat(-1.0f)));
+          const vec::Vec act = vec::round_bf16(vec::div(g, vec::add(vec::splat(1.0f), e)));
+          vec::store(o + i, vec::mul(act, vec::load(up + i, n)), n);
+        }
+        continue;
+      }
       for (int64_t i = 0; i < size; i += vec::kLanes) {
         const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, size - i));
         vec::store(exp_neg, vec::exp(vec::mul(vec::load(gate + i, n), vec::splat(-1.0f))), n);

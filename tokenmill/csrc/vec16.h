@@ -44,12 +44,30 @@ inline Vec load_or(const float* p, int n, float fill) {
   return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), lane_mask(n), p)};
 }
 inline void store(float* p, Vec x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x.v); }
+// x rounded to bfloat16 (nearest, ties to even; NaN to 0x7FC0) exactly as c10::BFloat16(float), as
+// the bit patterns of the rounded floats (low 16 bits zero).
+inline __m512i bf16_rounded_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+}
+// static_cast<float>(static_cast<c10::BFloat16>(x)) lane by lane.
+inline Vec round_bf16(Vec x) { return {_mm512_castsi512_ps(bf16_rounded_bits(x.v))}; }
+// Stores the first n lanes as bfloat16, rounded as c10::BFloat16(float).
+inline void store(c10::BFloat16* p, Vec x, int n) {
+  const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x.v), 16));
+  _mm256_mask_storeu_epi16(p, lane_mask(n), halves);
+}
 inline Vec splat(float x) { return {_mm512_set1_ps(x)}; }
 inline Vec zero() { return {_mm512_setzero_ps()}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 // Zeroes the lanes from n on.
 inline Vec keep(Vec a, int n) { return {_mm512_maskz_mov_ps(lane_mask(n), a.v)}; }
@@ -125,6 +143,13 @@ inline Vec load_or(const float* p, int n, float fill) {
 inline void store(float* p, Vec x, int n) {
   for (int i = 0; i < n && i < kLanes; ++i) p[i] = x.v[i];
 }
+inline Vec round_bf16(Vec x) {
+  for (float& lane : x.v) lane = static_cast<float>(static_cast<c10::BFloat16>(lane));
+  return x;
+}
+inline void store(c10::BFloat16* p, Vec x, int n) {
+  for (int i = 0; i < n && i < kLanes; ++i) p[i] = static_cast<c10::BFloat16>(x.v[i]);
+}
 inline Vec splat(float x) {
   Vec out;
   for (float& lane : out.v) lane = x;
@@ -145,6 +170,10 @@ inline Vec sub(Vec a, Vec b) {
 }
 inline Vec mul(Vec a, Vec b) {
   for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec div(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] /= b.v[i];
   return a;
 }
 inline Vec keep(Vec a, int n) {

@@ -25,7 +25,9 @@ class AttentionGroup:
     the sequence's physical blocks (padded with block 0), ``seq_lens[s]`` its length after this step,
     and ``sliding_window`` (None: full attention) how many trailing positions a query may see.
     ``first_row`` is set when the valid rows are consecutive (``first_row, first_row + 1, ...``), so
-    a kernel can read and write them as one slice instead of gathering and scattering.
+    a kernel can read and write them as one slice instead of gathering and scattering. ``spans``
+    lists, per sequence, ``(first row, start position, new tokens)`` when each sequence's rows are
+    consecutive in the batch (always, as the runner builds batches), for per-sequence attention.
     """
 
     query_rows: torch.Tensor  # [S, Q] int64
@@ -38,6 +40,18 @@ class AttentionGroup:
     seq_lens: torch.Tensor | None = None  # [S] int64
     sliding_window: int | None = None
     first_row: int | None = None
+    spans: list[tuple[int, int, int]] | None = None
+    _additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as scores to add (0 where allowed, -inf elsewhere) in ``dtype``, built once per step
+        and shared by every layer (SDPA would otherwise convert the boolean mask in each layer)."""
+        mask = self._additive_masks.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)  # [S, 1, Q, K]
+            mask.masked_fill_(~self.mask, float("-inf"))
+            self._additive_masks[dtype] = mask
+        return mask
 
 
 @dataclass

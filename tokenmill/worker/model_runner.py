@@ -333,6 +333,7 @@ class ModelRunner:
             seq_lens=(starts + num_new).to(device),
             sliding_window=sliding_window,
             first_row=first if rows_are_consecutive else None,
+            spans=[(offsets[i], entries[i].start_position, len(entries[i].token_ids)) for i in members],
         )
 
 

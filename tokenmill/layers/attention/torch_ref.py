@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
 
+# Prompt groups whose longest chunk has at least this many tokens attend one sequence at a time:
+# the per-call overhead is then small next to the attention, and causal chunks skip half the scores.
+PER_SEQUENCE_MIN_QUERIES = 256
+
 
 class TorchPagedAttention:
     """Attention over a paged KV cache.
@@ -63,9 +67,13 @@ class TorchPagedAttention:
         group: AttentionGroup,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim], this group's rows written here
     ) -> None:
-        """Gather the group's K/V into a padded batch and attend under its mask."""
+        """Gather the group's K/V into a padded batch and attend under its mask; groups of long chunks
+        attend one sequence at a time instead (see ``_attend_each_sequence``)."""
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        if group.spans is not None and group.num_queries >= PER_SEQUENCE_MIN_QUERIES:
+            self._attend_each_sequence(query, key_cache, value_cache, group, out)
+            return
         num_seqs, num_queries = group.query_rows.shape
         num_keys = group.kv_slots.shape[1]
         # index_select on a flat index is several times faster than advanced indexing on CPU.
@@ -78,7 +86,7 @@ class TorchPagedAttention:
             q,
             k.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
             v.transpose(1, 2).to(q.dtype),  # [S, kv_heads, K, head_dim]
-            attn_mask=group.mask,
+            attn_mask=group.additive_mask(q.dtype),
             scale=self.scale,
             enable_gqa=True,
         )  # [S, num_heads, Q, head_dim]
@@ -87,3 +95,36 @@ class TorchPagedAttention:
             out.index_copy_(0, group.valid_rows, attended)
         else:
             out.index_copy_(0, group.valid_rows, attended.index_select(0, group.valid_index))
+
+    def _attend_each_sequence(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    ) -> None:
+        """One SDPA call per sequence, over exactly its keys: no padding, and a chunk that starts the
+        sequence runs as plain causal attention, which skips the masked half of the scores (the padded
+        batch computes every score and masks it). Later chunks use their rows of the group's mask."""
+        assert group.spans is not None
+        for s, (row, start, num_new) in enumerate(group.spans):
+            num_keys = start + num_new
+            slots = group.kv_slots[s, :num_keys]  # [K]
+            q = query[row : row + num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            k = (
+                key_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            )  # [1, kv_heads, K, D]
+            v = (
+                value_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            )  # [1, kv_heads, K, D]
+            if start == 0:
+                attended = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+                )  # [1, H, n, D]
+            else:
+                mask = group.additive_mask(q.dtype)[s : s + 1, :, :num_new, :num_keys]  # [1, 1, n, K]
+                attended = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )  # [1, H, n, D]
+            out[row : row + num_new] = attended[0].transpose(0, 1)  # [n, H, D]

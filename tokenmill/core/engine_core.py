@@ -7,6 +7,7 @@ process behind a ZMQ socket. Every message in and out is a ``tokenmill.protocol`
 from __future__ import annotations
 
 import logging
+import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv.manager import KVCacheManager
@@ -95,6 +96,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         failed = self._fail_broken_grammars()
         forced_before = self.scheduler.num_forced_tokens_total
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         plan.grammar_bitmask = self.structured.step_bitmask(plan.scheduled, self.scheduler.requests)
         if plan.is_empty and not failed and self.structured.has_pending():
@@ -102,6 +104,8 @@ class EngineCore:
             self.structured.wait_for_compile(timeout=0.05)
         result = self.executor.execute(plan)
         outputs = failed + self.scheduler.update(plan, result)
+        # What a request arriving now waits for: the scheduler learns step times from these.
+        self.scheduler.record_step_time(plan, time.perf_counter() - started)
         return EngineCoreOutputs(
             outputs=outputs,
             num_forced_tokens=self.scheduler.num_forced_tokens_total - forced_before,

@@ -63,6 +63,7 @@ class EngineCore:
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self._timed_a_step = False
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
         )
@@ -104,8 +105,11 @@ class EngineCore:
             self.structured.wait_for_compile(timeout=0.05)
         result = self.executor.execute(plan)
         outputs = failed + self.scheduler.update(plan, result)
-        # What a request arriving now waits for: the scheduler learns step times from these.
-        self.scheduler.record_step_time(plan, time.perf_counter() - started)
+        # What a request arriving now waits for: the scheduler learns step times from these. The
+        # first step pays one-time costs (lazy initialization, cold caches) and is not recorded.
+        if self._timed_a_step:
+            self.scheduler.record_step_time(plan, time.perf_counter() - started)
+        self._timed_a_step = self._timed_a_step or not plan.is_empty
         return EngineCoreOutputs(
             outputs=outputs,
             num_forced_tokens=self.scheduler.num_forced_tokens_total - forced_before,

@@ -286,7 +286,7 @@ class Scheduler:
         this step may serve only that tier and better ones. None when there is no such request, or
         after ``max_exclusive_steps`` such steps in a row (then a step serves everyone, so a stream
         of arrivals in that tier cannot hold worse tiers off for longer than that)."""
-        if self._exclusive_streak >= self.config.max_exclusive_steps:
+        if self.tiers.best_ttft_rank is None or self._exclusive_streak >= self.config.max_exclusive_steps:
             return None
         ranks = [self.tiers.rank[r.tier] for r in self.requests.values() if self.tiers.awaits_first_token(r)]
         return min(ranks, default=None)

@@ -13,7 +13,11 @@ longer contexts), and constrained to non-negative coefficients: of the fits over
 three terms whose coefficients all come out non-negative, the one with the smallest weighted error
 wins (with three terms that is every non-negative least-squares candidate). When the data cannot
 tell two terms apart (only decodes, where tokens equal sequences), the fit with the per-token term
-is kept, which is the cautious one for bounding prefill chunks. Ints and floats only, no torch.
+is kept, which is the cautious one for bounding prefill chunks. Squared errors make one freak step
+(a page-fault storm, a garbage-collector pause, another process taking the cores) weigh for a long
+time, so once the model predicts, an observation is counted as at most ``outlier_factor`` times its
+prediction: a machine that really slows down is still followed, by that factor per step at most.
+Ints and floats only, no torch.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ class StepTimeModel:
     functions of what was observed (deterministic, no clock).
     """
 
-    def __init__(self, decay: float = 0.98, min_observations: int = 5) -> None:
+    def __init__(self, decay: float = 0.98, min_observations: int = 5, outlier_factor: float = 4.0) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
         self.min_observations = min_observations
+        self.outlier_factor = outlier_factor
         self.num_observations = 0
         # Weighted sums of x·xᵀ, x·y and y² for x = (1, tokens, seqs), y = seconds.
         self._xx = [[0.0] * 3 for _ in range(3)]
@@ -49,6 +54,9 @@ class StepTimeModel:
         """Record that a step of ``num_tokens`` tokens over ``num_seqs`` sequences took ``seconds``."""
         if num_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
+        predicted = self.predict(num_tokens, num_seqs)
+        if predicted is not None and predicted > 0.0:
+            seconds = min(seconds, self.outlier_factor * predicted)
         x = (1.0, float(num_tokens), float(num_seqs))
         for i in range(3):
             for j in range(3):

@@ -1,6 +1,9 @@
 """Service tiers and fairness under overload: per-tier and per-user TTFT / TPOT, alone vs loaded.
 
-One tokenmill server (``--policy vtc``, standard tiers). Three phases, all streaming completions:
+One tokenmill server (``--policy vtc``, standard tiers, a TTFT target on the ``priority`` tier:
+``--tier-slo priority:ttft=0.1`` by default, which keeps the other tiers' steps within a third of it
+and gives a priority request's prefill a step of its own; the configuration used is printed). Three
+phases, all streaming completions:
 
 1. alone: a ``priority`` probe client (one request at a time) on an idle server;
 2. capacity: a saturating closed loop of the load's request shape measures requests/s;
@@ -14,7 +17,7 @@ within 2x of alone, and the light user's share of the heavy+light service (VTC c
 tokens + 2 x output tokens) within 10% of its fair share (one half). Refused requests (429) are
 counted, not timed.
 
-    .venv/bin/python benchmarks/tiers.py [--duration 60] [--overload 4]
+    .venv/bin/python benchmarks/tiers.py [--duration 60] [--overload 4] [--priority-ttft 0.1]
 """
 
 from __future__ import annotations
@@ -218,6 +221,12 @@ def main() -> None:
         default=16,
         help="requests the light user keeps outstanding (backlogged)",
     )
+    parser.add_argument(
+        "--priority-ttft",
+        type=float,
+        default=0.1,
+        help="the priority tier's TTFT target in seconds (--tier-slo); 0 sets none",
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="extra tokenmill serve argument")
     args = parser.parse_args()
     print(
@@ -231,7 +240,10 @@ def main() -> None:
         "--max-num-seqs",
         str(args.max_num_seqs),
     ]
+    if args.priority_ttft > 0:
+        server_args += ["--tier-slo", f"priority:ttft={args.priority_ttft:g}"]
     server_args += args.server_arg
+    print(f"server: tokenmill serve {args.model} {' '.join(map(str, server_args))}")
     with tokenmill(args.model, server_args) as url:
         stats, until = asyncio.run(run(args, url))
     report(stats, until)

@@ -116,8 +116,11 @@ class TierConfig:
 
     ``max_running`` caps its running sequences; ``step_share`` is the fraction of each step's token
     budget its requests may use together; ``max_waiting`` bounds its waiting queue (over it: 429).
-    ``ttft_slo`` and ``tpot_slo`` (seconds) are optional latency targets: when a request of this
-    tier is about to miss one, lower tiers are held to ``SchedulerConfig.slo_guard_share`` of the step.
+    ``ttft_slo`` and ``tpot_slo`` (seconds) are optional latency targets. While a tier has a TTFT
+    target, worse tiers' prefill chunks are cut so each step is predicted to take at most
+    ``SchedulerConfig.ttft_step_fraction`` of it, and a request of the tier waiting for its first
+    token gets steps of its own (``max_exclusive_steps``); when a request is about to miss a target,
+    lower tiers are also held to ``SchedulerConfig.slo_guard_share`` of the step.
     """
 
     name: str
@@ -144,7 +147,11 @@ class SchedulerConfig:
     one of them. ``vtc`` charges each user ``fair_input_weight`` per prompt token computed and
     ``fair_output_weight`` per generated token, divided by the user's weight in ``user_weights``
     (1 when absent). ``slo_margin`` is the fraction of a latency target at which a tier counts as
-    about to miss it.
+    about to miss it. While a tier has a TTFT target, the tiers worse than it get prefill chunks no
+    larger than keeps a step's predicted time within ``ttft_step_fraction`` of the tightest TTFT
+    target (``core/step_time.py`` predicts it), and a step where a request of that tier waits for
+    its first token serves only that tier and better ones, at most ``max_exclusive_steps`` steps in
+    a row (0: never) before a step serves everyone.
     """
 
     max_num_batched_tokens: int = 2048
@@ -157,6 +164,8 @@ class SchedulerConfig:
     fair_output_weight: float = 2.0
     slo_guard_share: float = 0.25
     slo_margin: float = 0.8
+    ttft_step_fraction: float = 1 / 3
+    max_exclusive_steps: int = 4
 
     def validate(self) -> None:
         """Raise ValueError naming the field for tier and fairness settings that cannot work."""
@@ -187,6 +196,10 @@ class SchedulerConfig:
             raise ValueError(f"slo_guard_share must be in (0, 1], got {self.slo_guard_share}")
         if not 0.0 < self.slo_margin <= 1.0:
             raise ValueError(f"slo_margin must be in (0, 1], got {self.slo_margin}")
+        if not 0.0 < self.ttft_step_fraction <= 1.0:
+            raise ValueError(f"ttft_step_fraction must be in (0, 1], got {self.ttft_step_fraction}")
+        if self.max_exclusive_steps < 0:
+            raise ValueError(f"max_exclusive_steps must be >= 0, got {self.max_exclusive_steps}")
 
 
 @dataclass

@@ -172,13 +172,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=parse_tier_slo,
         default=None,
         metavar="NAME:ttft=S,tpot=S",
-        help="latency targets of a tier; while it is about to miss them, worse tiers get less of each step",
+        help="latency targets of a tier; a TTFT target keeps worse tiers' steps short and gives a first "
+        "token steps of its own; about to miss a target, worse tiers also get less of each step",
     )
     tiers.add_argument(
         "--slo-guard-share",
         type=float,
         default=SchedulerConfig.slo_guard_share,
         help="share of a step worse tiers keep while a better tier is at risk of missing its target",
+    )
+    tiers.add_argument(
+        "--ttft-step-fraction",
+        type=float,
+        default=SchedulerConfig.ttft_step_fraction,
+        help="while a tier has a TTFT target, worse tiers' prefill chunks are cut so a step is "
+        "predicted to take at most this fraction of the tightest target",
+    )
+    tiers.add_argument(
+        "--max-exclusive-steps",
+        type=int,
+        default=SchedulerConfig.max_exclusive_steps,
+        help="most steps in a row that serve only a tier whose request awaits its first token within "
+        "a TTFT target (and better tiers); 0 never skips worse tiers",
     )
     tiers.add_argument(
         "--user-weight",
@@ -230,6 +245,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_waiting": args.max_waiting,
         "tiers": build_tiers(args.tier, args.tier_slo),
         "slo_guard_share": args.slo_guard_share,
+        "ttft_step_fraction": args.ttft_step_fraction,
+        "max_exclusive_steps": args.max_exclusive_steps,
         "user_weights": dict(args.user_weight or []),
         "fair_input_weight": args.fair_input_weight,
         "fair_output_weight": args.fair_output_weight,

@@ -122,10 +122,12 @@ class Harness:
         assert self.kv.pool.num_free == self.kv.num_blocks - cached
 
 
-def make_request(request_id: str, prompt: list[int], max_tokens: int, **kwargs: object) -> Request:
+def make_request(
+    request_id: str, prompt: list[int], max_tokens: int, max_model_len: int = MAX_MODEL_LEN, **kwargs: object
+) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     fields = {"request_id": request_id, "prompt_token_ids": prompt, "sampling_params": params, **kwargs}
-    return Request(EngineCoreRequest(**fields), MAX_MODEL_LEN)  # type: ignore[arg-type]
+    return Request(EngineCoreRequest(**fields), max_model_len)  # type: ignore[arg-type]
 
 
 def ids(plan: SchedulerOutput) -> list[str]:

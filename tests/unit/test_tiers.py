@@ -40,7 +40,8 @@ class Clock:
 class TierHarness:
     """A scheduler with tiers and fairness over a KV manager, a fake model and a fake clock.
 
-    ``seconds_per_step(plan)`` says how long each step takes on the fake clock (default: nothing).
+    ``seconds_per_step(plan)`` says how long each step takes on the fake clock (default: nothing);
+    the scheduler's step-time model is fed those times.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class TierHarness:
         max_num_seqs: int = 64,
         prefix_caching: bool = False,
         seconds_per_step: object = None,
+        max_model_len: int = MAX_MODEL_LEN,
         **config: object,
     ) -> None:
         self.clock = Clock()
@@ -61,7 +63,7 @@ class TierHarness:
             **config,  # type: ignore[arg-type]
         )
         scheduler_config.validate()
-        self.scheduler = Scheduler(scheduler_config, self.kv, MAX_MODEL_LEN, clock=self.clock)
+        self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, clock=self.clock)
         self.runner = FakeRunner(block_size)
         self.seconds_per_step = seconds_per_step
         self.outputs: dict[str, list[int]] = {}
@@ -70,7 +72,7 @@ class TierHarness:
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, **kwargs: object) -> Request:
         kwargs.setdefault("arrival_time", self.clock.now)
-        request = make_request(request_id, prompt, max_tokens, **kwargs)
+        request = make_request(request_id, prompt, max_tokens, self.scheduler.max_model_len, **kwargs)
         self.scheduler.add_request(request)
         self.outputs[request_id] = []
         self.prompts[request_id] = prompt
@@ -82,7 +84,9 @@ class TierHarness:
         assert all(entry.token_ids for entry in plan.scheduled)
         result = self.runner.execute(plan)
         if callable(self.seconds_per_step):
-            self.clock.now += self.seconds_per_step(plan)
+            seconds = self.seconds_per_step(plan)
+            self.clock.now += seconds
+            self.scheduler.record_step_time(plan, seconds)  # as the engine core does with wall time
         for output in self.scheduler.update(plan, result):
             self.outputs[output.request_id].extend(output.new_token_ids)
             if output.finish_reason is not None:
@@ -476,6 +480,8 @@ def tiered_workloads(draw):  # type: ignore[no-untyped-def]
         "max_num_seqs": draw(st.integers(1, 5)),
         "policy": draw(st.sampled_from(["fcfs", "vtc", "lpm"])),
         "flex_max_running": draw(st.one_of(st.none(), st.integers(1, 2))),
+        "priority_ttft": draw(st.sampled_from([None, 0.5, 2.0, 6.0])),
+        "max_exclusive_steps": draw(st.integers(0, 2)),
         "requests": requests,
     }
 
@@ -484,10 +490,12 @@ def tiered_workloads(draw):  # type: ignore[no-untyped-def]
 @given(tiered_workloads())
 def test_random_tiered_workloads_keep_every_invariant(workload) -> None:  # type: ignore[no-untyped-def]
     tiers = [
-        TierConfig("priority"),
+        TierConfig("priority", ttft_slo=workload["priority_ttft"]),
         TierConfig("default"),
         TierConfig("flex", max_running=workload["flex_max_running"]),
     ]
+    # Steps of about a second whose cost grows with tokens and sequences, so that with a TTFT target
+    # the step-time bound cuts chunks and first tokens get steps of their own.
     h = TierHarness(
         num_blocks=workload["num_blocks"],
         block_size=2,
@@ -496,7 +504,8 @@ def test_random_tiered_workloads_keep_every_invariant(workload) -> None:  # type
         prefix_caching=workload["policy"] == "lpm",
         policy=workload["policy"],
         tiers=tiers,
-        seconds_per_step=lambda plan: 1.0,
+        max_exclusive_steps=workload["max_exclusive_steps"],
+        seconds_per_step=lambda plan: 0.4 + 0.1 * plan.num_tokens + 0.05 * len(plan.scheduled),
     )
     requests = [r for r in workload["requests"] if len(r["prompt"]) + r["max_tokens"] <= h.kv.capacity_tokens]
     for step in range(3000):

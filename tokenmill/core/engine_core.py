@@ -7,6 +7,7 @@ process behind a ZMQ socket. Every message in and out is a ``tokenmill.protocol`
 from __future__ import annotations
 
 import logging
+import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv.manager import KVCacheManager
@@ -62,6 +63,7 @@ class EngineCore:
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self._timed_a_step = False
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
         )
@@ -95,6 +97,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         failed = self._fail_broken_grammars()
         forced_before = self.scheduler.num_forced_tokens_total
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         plan.grammar_bitmask = self.structured.step_bitmask(plan.scheduled, self.scheduler.requests)
         if plan.is_empty and not failed and self.structured.has_pending():
@@ -102,6 +105,11 @@ class EngineCore:
             self.structured.wait_for_compile(timeout=0.05)
         result = self.executor.execute(plan)
         outputs = failed + self.scheduler.update(plan, result)
+        # What a request arriving now waits for: the scheduler learns step times from these. The
+        # first step pays one-time costs (lazy initialization, cold caches) and is not recorded.
+        if self._timed_a_step:
+            self.scheduler.record_step_time(plan, time.perf_counter() - started)
+        self._timed_a_step = self._timed_a_step or not plan.is_empty
         return EngineCoreOutputs(
             outputs=outputs,
             num_forced_tokens=self.scheduler.num_forced_tokens_total - forced_before,

@@ -7,7 +7,10 @@ and an ordinary decode all follow from this rule. Requests are grouped into sche
 (service tier, then priority; ``core/tiers.py``) served best first, each class's running requests
 before its waiting ones. When blocks run out, the lowest-ranked running request (worst class, then
 most recently admitted) is preempted: its blocks are released and it is recomputed later. Requests
-past their deadline end with ``timeout`` at the start of a step. Token ids only; no torch.
+past their deadline end with ``timeout`` at the start of a step. While a tier has a TTFT target,
+worse tiers' chunks are cut to keep steps short (``core/step_time.py`` predicts step times from the
+measured ones the engine core reports) and a step where a request of that tier awaits its first
+token serves only that tier and better ones. Token ids only; no torch.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tokenmill.core.fairness import VirtualTokenCounters
 from tokenmill.core.kv.manager import KVCacheManager, cdiv
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.step_time import StepTimeModel
 from tokenmill.core.tiers import ClassKey, StepBudget, TieredQueue, TierTable
 from tokenmill.protocol import EngineCoreOutput, FinishReason, PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
@@ -97,7 +101,8 @@ class Scheduler:
     otherwise), so preemption can always make progress; ``schedule`` never over-commits KV blocks;
     ``update`` turns model output into ``EngineCoreOutput`` messages and finishes requests;
     ``abort`` releases a request's blocks at once, wherever it is. ``clock`` (``time.time`` by
-    default, the clock of ``arrival_time`` and ``deadline``) is injectable so tests need no wall clock.
+    default, the clock of ``arrival_time`` and ``deadline``) is injectable so tests need no wall clock;
+    so is ``step_time``, the model fed by ``record_step_time`` with the measured time of each step.
     """
 
     def __init__(
@@ -106,11 +111,15 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         clock: Callable[[], float] = time.time,
+        step_time: StepTimeModel | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.clock = clock
+        self.step_time = step_time if step_time is not None else StepTimeModel()
+        # Consecutive steps that served only a tier awaiting a first token within a TTFT target.
+        self._exclusive_streak = 0
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
         self.fairness = (
@@ -223,13 +232,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         self._expire_deadlines(now)
-        total = self.config.max_num_batched_tokens
-        budget = StepBudget(total, self.tiers.step_caps(now, total, self.requests.values()))
+        budget = self._step_budget(now)
+        exclusive_rank = self._exclusive_rank()
         plan: list[ScheduledRequest] = []
         num_preempted = 0  # running requests that ran out of blocks
         num_made_room = 0  # worse-class requests preempted to admit better ones
         admitting = True
+        exclusive = False
         for key in self._class_keys():
+            if exclusive_rank is not None and key[0] > exclusive_rank and self._plans_first_token(plan):
+                # A first token within a TTFT target is on its way: worse tiers sit this step out
+                # so it runs as on an idle server, and resume in the next one.
+                exclusive = True
+                break
             num_preempted += self._schedule_running(key, plan, budget)
             # Admitting new work right after a preemption would only thrash the cache.
             if admitting and num_preempted == 0:
@@ -237,11 +252,48 @@ class Scheduler:
                 num_made_room += made_room
                 # What was preempted to make room must not be readmitted (recomputed) in this step.
                 admitting = admitting and made_room == 0
+        self._exclusive_streak = self._exclusive_streak + 1 if exclusive else 0
         finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted + num_made_room
         return SchedulerOutput(
             scheduled=plan, finished_request_ids=finished, num_preempted=num_preempted + num_made_room
         )
+
+    def _step_budget(self, now: float) -> StepBudget:
+        total = self.config.max_num_batched_tokens
+        caps = self.tiers.step_caps(now, total, self.requests.values())
+        return StepBudget(total, caps, self.tiers.bounded_tiers, self._extra_token_allowance())
+
+    def _extra_token_allowance(self) -> int | None:
+        """Tokens beyond one per running request that keep this step's predicted time within the
+        TTFT step target; None without a TTFT target or before the model can predict.
+
+        The prediction counts every running request as one token and one sequence, plus one more
+        sequence for a prefill chunk or admission. It is never below one block, so bounded tiers'
+        prefills and admissions keep moving even when the decodes alone fill the target.
+        """
+        target = self.tiers.step_time_target
+        if target is None:
+            return None
+        num_running = len(self.running)
+        fit = self.step_time.tokens_within(target, num_running + 1)
+        if fit is None:
+            return None
+        return max(self.kv.block_size, fit - num_running)
+
+    def _exclusive_rank(self) -> int | None:
+        """The rank of the best tier with a request awaiting its first token within a TTFT target:
+        this step may serve only that tier and better ones. None when there is no such request, or
+        after ``max_exclusive_steps`` such steps in a row (then a step serves everyone, so a stream
+        of arrivals in that tier cannot hold worse tiers off for longer than that)."""
+        if self.tiers.best_ttft_rank is None or self._exclusive_streak >= self.config.max_exclusive_steps:
+            return None
+        ranks = [self.tiers.rank[r.tier] for r in self.requests.values() if self.tiers.awaits_first_token(r)]
+        return min(ranks, default=None)
+
+    def _plans_first_token(self, plan: list[ScheduledRequest]) -> bool:
+        """Whether ``plan`` computes tokens of a request awaiting its first token within a TTFT target."""
+        return any(self.tiers.awaits_first_token(self.requests[entry.request_id]) for entry in plan)
 
     def _class_keys(self) -> list[ClassKey]:
         """The scheduling classes with running or waiting requests, best first."""
@@ -255,7 +307,8 @@ class Scheduler:
         for request in [r for r in self.running if self.tiers.class_key(r) == key]:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = budget.grant(request.tier, request.num_tokens - request.num_computed_tokens)
+            wanted = request.num_tokens - request.num_computed_tokens
+            num_new = budget.grant(request.tier, wanted, running=True)
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -266,7 +319,7 @@ class Scheduler:
                     break
             else:
                 plan.append(self._plan_entry(request, num_new))
-                budget.take(request.tier, num_new)
+                budget.take(request.tier, num_new, running=True)
         return num_preempted
 
     def _lowest_ranked_running(self, worse_than: ClassKey | None = None) -> Request:
@@ -303,7 +356,7 @@ class Scheduler:
             if budget.total_left <= 0:
                 return False, num_made_room
             tier = self.tiers.tiers[request.tier]
-            if budget.tier_left[request.tier] <= 0 or self._tier_is_full(request.tier):
+            if budget.exhausted(request.tier) or self._tier_is_full(request.tier):
                 break  # this tier is done for the step; worse classes may still use what is left
             if not self._grammar_ready(request):
                 continue  # its grammar is still compiling; it does not hold up the queue
@@ -429,6 +482,11 @@ class Scheduler:
         logger.debug("preempted request %s", request.request_id)
 
     # ------------------------------------------------------------------ applying a step's results
+
+    def record_step_time(self, plan: SchedulerOutput, seconds: float) -> None:
+        """Feed the measured wall time of ``plan``'s step (schedule to update) to the step-time model."""
+        if not plan.is_empty:
+            self.step_time.observe(plan.num_tokens, len(plan.scheduled), seconds)
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []

@@ -7,11 +7,19 @@ its waiting ones, and preempts the worst class first, so a better class is admit
 take blocks and seats from worse ones; ``flex``, the worst by default, runs on what is left.
 
 Per tier: ``max_running`` seats, a ``step_share`` of each step's token budget, a waiting-queue
-bound (``max_waiting``, beyond it the server answers 429) and optional TTFT/TPOT targets. When a
-request of a tier with a target is about to miss it (``slo_margin`` of the target has passed
-without a first token, or an inter-token gap has reached ``slo_margin`` of the TPOT target, after
-which the request stays guarded until it ends), every worse tier is held to ``slo_guard_share`` of
-the step: smaller steps run faster, and the budget goes first to the tier at risk.
+bound (``max_waiting``, beyond it the server answers 429) and optional TTFT/TPOT targets.
+
+TTFT targets are protected before they are at risk. A request of the best tier with a TTFT target
+that arrives must wait for the step in flight, then for its own prefill. So while any tier has a
+TTFT target, the tiers worse than it (``bounded_tiers``) are held, proactively, to prefill chunks
+that keep each step's predicted time (``core/step_time.py``, fitted to measured steps) within
+``ttft_step_fraction`` of the tightest TTFT target; their running requests still get one token each
+every step, so their decodes never stall on it. And a step in which a request of that tier waits
+for its first token serves only that tier and better ones (see ``Scheduler.schedule``), so the
+prefill runs as on an idle server. The reactive guard remains: when a request of a tier with a
+target is about to miss it (``slo_margin`` of the target has passed without a first token, or an
+inter-token gap has reached ``slo_margin`` of the TPOT target, after which the request stays
+guarded until it ends), every worse tier is also held to ``slo_guard_share`` of the step.
 """
 
 from __future__ import annotations
@@ -38,6 +46,17 @@ class TierTable:
         self.tiers: dict[str, TierConfig] = {tier.name: tier for tier in config.tiers}
         self.rank: dict[str, int] = {tier.name: i for i, tier in enumerate(config.tiers)}
         self.names = [tier.name for tier in config.tiers]
+        ttft_targets = [(self.rank[t.name], t.ttft_slo) for t in config.tiers if t.ttft_slo is not None]
+        # The best tier with a TTFT target; every worse tier's steps are bounded in time for it.
+        self.best_ttft_rank: int | None = min(rank for rank, _ in ttft_targets) if ttft_targets else None
+        best = self.best_ttft_rank
+        self.bounded_tiers = frozenset(
+            name for name, rank in self.rank.items() if best is not None and rank > best
+        )
+        # Seconds a step serving bounded tiers should be predicted to take at most (None: no bound).
+        self.step_time_target: float | None = (
+            config.ttft_step_fraction * min(slo for _, slo in ttft_targets) if ttft_targets else None
+        )
 
     def resolve(self, name: str | None) -> str:
         """The tier a requested ``service_tier`` runs in (``auto`` and None mean ``default``).
@@ -66,11 +85,15 @@ class TierTable:
                     caps[name] = min(caps[name], guard)
         return caps
 
+    def awaits_first_token(self, request: Request) -> bool:
+        """Whether ``request`` belongs to a tier with a TTFT target and has no output token yet."""
+        return self.tiers[request.tier].ttft_slo is not None and request.num_output_tokens == 0
+
     def at_risk(self, request: Request, now: float) -> bool:
         """Whether ``request`` is about to miss its tier's TTFT or TPOT target.
 
-        The guard reacts to measured gaps (the scheduler does not predict step times), so the gap
-        that trips it may itself exceed the target; the later ones are what it protects.
+        This guard reacts to measured gaps, so the gap that trips it may itself exceed the target;
+        the later ones are what it protects (the proactive TTFT bound acts before, see above).
         """
         tier = self.tiers[request.tier]
         margin = self.config.slo_margin
@@ -90,19 +113,44 @@ class TierTable:
 
 
 class StepBudget:
-    """One step's token budget: a total and what each tier may still take of it."""
+    """One step's token budget: a total, what each tier may still take of it, and the time bound.
 
-    def __init__(self, total: int, tier_caps: dict[str, int]) -> None:
+    ``extra_left`` (None: no bound) is how many tokens the step may still hold beyond one token per
+    running request (those are counted in the step-time prediction it comes from): every tier's
+    extra tokens use it up, and the ``bounded`` tiers may not go past it. So a running request of a
+    bounded tier always gets its one token (a decode never stalls on the bound) and only prefill
+    chunks and admissions shrink.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        tier_caps: dict[str, int],
+        bounded: frozenset[str] = frozenset(),
+        extra_left: int | None = None,
+    ) -> None:
         self.total_left = total
         self.tier_left = dict(tier_caps)
+        self.bounded = bounded
+        self.extra_left = extra_left
 
-    def grant(self, tier: str, wanted: int) -> int:
-        """How many of ``wanted`` tokens a request of ``tier`` may compute now (0: none)."""
-        return max(0, min(wanted, self.total_left, self.tier_left[tier]))
+    def grant(self, tier: str, wanted: int, running: bool = False) -> int:
+        """How many of ``wanted`` tokens a request of ``tier`` may compute now (0: none);
+        ``running`` says the request was running before this step (its first token is counted)."""
+        granted = min(wanted, self.total_left, self.tier_left[tier])
+        if self.extra_left is not None and tier in self.bounded:
+            granted = min(granted, int(running) + max(0, self.extra_left))
+        return max(0, granted)
 
-    def take(self, tier: str, num_tokens: int) -> None:
+    def exhausted(self, tier: str) -> bool:
+        """Whether a request of ``tier`` that was not running may not compute a single token now."""
+        return self.grant(tier, 1) == 0
+
+    def take(self, tier: str, num_tokens: int, running: bool = False) -> None:
         self.total_left -= num_tokens
         self.tier_left[tier] -= num_tokens
+        if self.extra_left is not None:
+            self.extra_left -= max(0, num_tokens - int(running))
 
 
 class TieredQueue(WaitingPolicy):

@@ -5,7 +5,8 @@ One tokenmill server (``--policy vtc``, standard tiers, a TTFT target on the ``p
 and gives a priority request's prefill a step of its own; the configuration used is printed). Three
 phases, all streaming completions:
 
-1. alone: a ``priority`` probe client (one request at a time) on an idle server;
+1. alone: a ``priority`` probe client (one request at a time) on an idle server, after 3 s of
+   uncounted warm-up requests;
 2. capacity: a saturating closed loop of the load's request shape measures requests/s;
 3. loaded: open-loop load at ``--overload`` x that capacity from a heavy user (half ``default``,
    half ``flex``), a light user keeping ``--light-concurrency`` ``default`` requests outstanding
@@ -152,6 +153,9 @@ async def run(args: argparse.Namespace, url: str) -> tuple[dict[str, ClassStats]
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         probe = config_for(url, model, "priority", "vip")
+        # Warm-up, not counted: a fresh server's first requests pay one-time costs (first use of
+        # each code path, allocator growth, the step-time model's first observations).
+        await closed_loop(client, probe, ClassStats(), 1, probe_shape, time.perf_counter() + 3, seed=0)
         stats["priority alone"] = ClassStats()
         until = time.perf_counter() + args.duration / 3
         await closed_loop(client, probe, stats["priority alone"], 1, probe_shape, until, seed=1)

@@ -19,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.frontend.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.loader import ModelSource
 from tokenmill.server.context import ServerContext, ServerSettings, get_context
+from tokenmill.server.engine_process import freeze_startup_objects
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -173,6 +174,7 @@ def build_app(settings: ServerSettings, config: EngineConfig, source: ModelSourc
         metrics = ServerMetrics(engine, settings.model_name)
         engine.listeners.append(metrics)
         app.state.ctx = ServerContext(engine, settings, metrics)
+        freeze_startup_objects()  # this process streams every token: keep its collections short too
         try:
             yield
         finally:

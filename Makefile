@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	# imports besides them (numpy, pydantic, transformers, typing-extensions) is installed above.
 	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# Compile the C++ CPU kernels (attention, fused norm/rotary/activation) now (~30 s) rather than at the first start; optional, never fails.
-	$(PY) -m tokenmill.layers.attention.cpu_kernel
+	$(PY) -m tokenmill.layers.cpu_kernels
 	touch $(STAMP)
 
 serve: install

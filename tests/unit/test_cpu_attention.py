@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import attention
-from tokenmill.layers.attention import cpu_kernel, select_attention_backend, torch_ref
+from tokenmill.layers import attention, cpu_kernels
+from tokenmill.layers.attention import select_attention_backend, torch_ref
 from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.worker.forward_batch import AttentionMetadata
@@ -32,7 +32,7 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.fixture(scope="module", autouse=True)
 def kernel_builds() -> None:
     """On this project's machines the kernel must build: a failure here is a failure, not a skip."""
-    assert cpu_kernel.load_error() is None
+    assert cpu_kernels.load_error() is None
 
 
 @pytest.fixture(autouse=True)
@@ -198,7 +198,7 @@ def test_output_is_bitwise_independent_of_batch_threads_and_index_dtype() -> Non
     assert tables is not None and lens is not None
 
     def call(rows: slice, index_dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return cpu_kernel.paged_attention_decode(
+        return cpu_kernels.paged_attention_decode(
             query[rows],
             kv_cache[0],
             kv_cache[1],
@@ -222,16 +222,16 @@ def test_output_is_bitwise_independent_of_batch_threads_and_index_dtype() -> Non
 def test_the_loaded_kernel_is_the_cached_build() -> None:
     """The cache key still names the folder the loaded library came from (it once changed after the
     build, because cpp_extension appends to the flag lists it is given)."""
-    assert (cpu_kernel.build_directory() / f"{cpu_kernel.NAME}.so").exists()
+    assert (cpu_kernels.build_directory() / f"{cpu_kernels.NAME}.so").exists()
 
 
 def test_write_kv_rejects_a_slot_outside_the_cache() -> None:
     cache = torch.zeros(3, 4, 2, 16)  # 12 slots
     rows = torch.randn(2, 2, 16)
     with pytest.raises(RuntimeError, match="slot 12 outside the cache's 12"):
-        cpu_kernel.write_kv(rows, rows, cache, cache.clone(), torch.tensor([0, 12]))
+        cpu_kernels.write_kv(rows, rows, cache, cache.clone(), torch.tensor([0, 12]))
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_kernel.write_kv(rows.bfloat16(), rows.bfloat16(), cache, cache.clone(), torch.tensor([0, 1]))
+        cpu_kernels.write_kv(rows.bfloat16(), rows.bfloat16(), cache, cache.clone(), torch.tensor([0, 1]))
 
 
 def test_kernel_rejects_bad_inputs() -> None:
@@ -239,9 +239,9 @@ def test_kernel_rejects_bad_inputs() -> None:
     cache = torch.randn(3, 4, 2, 16)
     tables = torch.zeros(2, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
-        cpu_kernel.paged_attention_decode(query, cache, cache, tables, torch.tensor([3, 5]), 1.0)
+        cpu_kernels.paged_attention_decode(query, cache, cache, tables, torch.tensor([3, 5]), 1.0)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_kernel.paged_attention_decode(query, cache.bfloat16(), cache, tables, torch.tensor([3, 4]), 1.0)
+        cpu_kernels.paged_attention_decode(query, cache.bfloat16(), cache, tables, torch.tensor([3, 4]), 1.0)
 
 
 # ---------------------------------------------------------------- backend selection
@@ -261,7 +261,7 @@ def test_selection_defaults_to_the_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch
 def test_a_kernel_that_cannot_build_is_announced(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_kernel, "load_error", lambda: "CalledProcessError: no compiler")
+    monkeypatch.setattr(cpu_kernels, "load_error", lambda: "CalledProcessError: no compiler")
     monkeypatch.delenv("TOKENMILL_ATTENTION_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING):
         assert select_attention_backend(torch.device("cpu"), torch.float32) is TorchPagedAttention

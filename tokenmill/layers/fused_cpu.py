@@ -17,7 +17,7 @@ import logging
 import torch
 
 from tokenmill.config import fused_cpu_ops_enabled
-from tokenmill.layers.attention.cpu_kernel import load_error
+from tokenmill.layers.cpu_kernels import load_error
 
 logger = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ def _select(device_type: str, dtype: torch.dtype, choice: str) -> type[TorchPage
     if device_type != "cpu":
         return _chosen(TorchPagedAttention, f"no fast backend for {device_type} yet")
 
-    from tokenmill.layers.attention import cpu_kernel
+    from tokenmill.layers import cpu_kernels
     from tokenmill.layers.attention.cpu_paged import KERNEL_DTYPES, CpuPagedAttention
 
-    error = cpu_kernel.load_error()
+    error = cpu_kernels.load_error()
     if error is None and dtype in KERNEL_DTYPES:
         return _chosen(CpuPagedAttention, f"C++ kernel for decode, {dtype}")
     reason = error or f"the kernel does not support {dtype}"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.attention.cpu_kernel import MAX_HEAD_DIM, paged_attention_decode, write_kv
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, paged_attention_decode, write_kv
 from tokenmill.worker.forward_batch import AttentionGroup
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -18,7 +18,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class CpuPagedAttention(TorchPagedAttention):
     """Same contract as ``TorchPagedAttention`` (new K/V written first, then causal attention per
-    sequence); needs the kernel loaded (``cpu_kernel.load_error()`` None) and CPU tensors."""
+    sequence); needs the kernel loaded (``cpu_kernels.load_error()`` None) and CPU tensors."""
 
     name = "cpu"
 

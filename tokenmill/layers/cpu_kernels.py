@@ -1,5 +1,6 @@
-"""Builds, caches and loads the C++ CPU kernels (``tokenmill/csrc``): paged decode attention, and the
-fused norm / rotary / activation ops that ``tokenmill.layers.fused_cpu`` dispatches to.
+"""Builds, caches and loads the C++ CPU kernels (``tokenmill/csrc``): paged decode attention and the
+KV write (used by ``layers/attention/cpu_paged.py``), and the fused norm / rotary / activation /
+argmax ops that ``tokenmill.layers.fused_cpu`` dispatches to.
 
 The kernels are compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
 (``-march=native``), into ``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the
@@ -22,7 +23,7 @@ from tokenmill.config import extension_cache_dir
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp"]
 HEADERS = [CSRC / "vec16.h"]
 NAME = "tokenmill_paged_attention_cpu"
@@ -145,7 +146,7 @@ def _op():  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    """``python -m tokenmill.layers.attention.cpu_kernel``: build the kernel now (``make install`` does,
+    """``python -m tokenmill.layers.cpu_kernels``: build the kernel now (``make install`` does,
     so the first start does not pay the ~15 s compile). Exits 0 either way: the kernel is optional."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     error = load_error()

@@ -12,6 +12,9 @@ Pipeline, per step:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from tokenmill.layers import fused_cpu
@@ -107,7 +110,8 @@ class Sampler(torch.nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if metadata.all_greedy and metadata.max_num_logprobs is None and not _has_shared_processors(metadata):
+        processors = _shared_processors(metadata)
+        if metadata.all_greedy and metadata.max_num_logprobs is None and not processors:
             # Upcasting is exact and keeps the order, so the argmax of bfloat16 logits is the float32
             # one; skipping the copy saves a [num_rows, vocab] float32 tensor per step.
             return SamplerOutput(greedy_tokens(logits), None, None, None)
@@ -116,7 +120,8 @@ class Sampler(torch.nn.Module):
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
 
-        logits = self._apply_shared_processors(logits, metadata)
+        for process in processors:
+            logits = process(logits)
         sampled = self._sample(logits, metadata)  # [num_rows]
 
         if raw_logprobs is None:
@@ -124,20 +129,6 @@ class Sampler(torch.nn.Module):
         assert metadata.max_num_logprobs is not None
         ids, values, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, ids, values, ranks)
-
-    @staticmethod
-    def _apply_shared_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Processors that change which token is best, so they apply before greedy's argmax too."""
-        if metadata.logit_bias is not None:
-            logits = apply_logit_bias(logits, metadata.logit_bias)
-        if metadata.min_tokens_block:
-            logits = apply_min_tokens_block(logits, metadata.min_tokens_block)
-        if not metadata.no_penalties:
-            logits = _apply_penalties_from_metadata(logits, metadata)
-        if metadata.grammar_rows is not None and metadata.grammar_bitmask is not None:
-            # Last, so that nothing above can give a forbidden token a finite logit again.
-            logits = apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
-        return logits
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
@@ -166,14 +157,24 @@ class Sampler(torch.nn.Module):
         return greedy_tokens(probs.div_(noise))
 
 
-def _has_shared_processors(metadata: SamplingMetadata) -> bool:
-    """Whether ``Sampler._apply_shared_processors`` would change anything."""
-    return (
-        metadata.logit_bias is not None
-        or bool(metadata.min_tokens_block)
-        or not metadata.no_penalties
-        or (metadata.grammar_rows is not None and metadata.grammar_bitmask is not None)
-    )
+def _shared_processors(metadata: SamplingMetadata) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """The processors this batch needs that change which token is best (so they apply before greedy's
+    argmax too), in the order they apply; empty when the logits go to sampling as they are."""
+    processors: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    if metadata.logit_bias is not None:
+        processors.append(functools.partial(apply_logit_bias, logit_bias=metadata.logit_bias))
+    if metadata.min_tokens_block:
+        processors.append(functools.partial(apply_min_tokens_block, block=metadata.min_tokens_block))
+    if not metadata.no_penalties:
+        processors.append(functools.partial(_apply_penalties_from_metadata, metadata=metadata))
+    if metadata.grammar_rows is not None and metadata.grammar_bitmask is not None:
+        # Last, so that nothing above can give a forbidden token a finite logit again.
+        processors.append(
+            functools.partial(
+                apply_token_bitmask, rows=metadata.grammar_rows, bitmask=metadata.grammar_bitmask
+            )
+        )
+    return processors
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

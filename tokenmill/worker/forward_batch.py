@@ -6,6 +6,7 @@ lives in globals.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +25,9 @@ class AttentionGroup:
     For kernels that read the paged cache directly instead of gathering: ``block_tables[s]`` lists
     the sequence's physical blocks (padded with block 0), ``seq_lens[s]`` its length after this step,
     and ``sliding_window`` (None: full attention) how many trailing positions a query may see.
-    ``first_row`` is set when the valid rows are consecutive (``first_row, first_row + 1, ...``), so
-    a kernel can read and write them as one slice instead of gathering and scattering. ``spans``
-    lists, per sequence, ``(first row, start position, new tokens)`` when each sequence's rows are
-    consecutive in the batch (always, as the runner builds batches), for per-sequence attention.
+    ``spans`` lists, per sequence, ``(first row, start position, new tokens)`` when each sequence's
+    rows are consecutive in the batch (always, as the runner builds batches), for per-sequence
+    attention; ``first_row`` is derived from it.
     """
 
     query_rows: torch.Tensor  # [S, Q] int64
@@ -39,9 +39,22 @@ class AttentionGroup:
     block_tables: torch.Tensor | None = None  # [S, max_blocks] int64
     seq_lens: torch.Tensor | None = None  # [S] int64
     sliding_window: int | None = None
-    first_row: int | None = None
     spans: list[tuple[int, int, int]] | None = None
     _additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def first_row(self) -> int | None:
+        """The first row when the valid rows are consecutive (``first_row, first_row + 1, ...``: every
+        sequence has ``num_queries`` rows, right after the previous one's), so that a kernel can read
+        and write them as one slice instead of gathering and scattering; else None."""
+        if not self.spans:
+            return None
+        first = self.spans[0][0]
+        consecutive = all(
+            row == first + k * self.num_queries and num_new == self.num_queries
+            for k, (row, _, num_new) in enumerate(self.spans)
+        )
+        return first if consecutive else None
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """``mask`` as scores to add (0 where allowed, -inf elsewhere) in ``dtype``, built once per step

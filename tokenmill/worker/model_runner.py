@@ -317,11 +317,6 @@ class ModelRunner:
             # A query sees only the last `sliding_window` positions, itself included.
             mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
         valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
-        first = offsets[members[0]]
-        rows_are_consecutive = all(
-            offsets[i] == first + k * num_queries and len(entries[i].token_ids) == num_queries
-            for k, i in enumerate(members)
-        )
         return AttentionGroup(
             query_rows=query_rows.to(device),
             kv_slots=kv_slots.to(device),
@@ -332,7 +327,6 @@ class ModelRunner:
             block_tables=tables.to(device),
             seq_lens=(starts + num_new).to(device),
             sliding_window=sliding_window,
-            first_row=first if rows_are_consecutive else None,
             spans=[(offsets[i], entries[i].start_position, len(entries[i].token_ids)) for i in members],
         )
 

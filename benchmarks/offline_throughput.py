@@ -3,7 +3,8 @@
 Prints output tokens/s for each and the ratio. Default workload (issue 2): 256 prompts of 128 random
 token ids, 128 output tokens each with EOS ignored, SmolLM2-135M in bfloat16. Both sides load the same
 GGUF file: any bundled GGUF alias works (``--model gemma3-270m`` for Gemma 3 270M, whose sliding and
-global layers and 262k vocabulary make a different workload).
+global layers and 262k vocabulary make a different workload), and so does a Hugging Face folder.
+``--device cuda`` runs both sides on the GPU.
 
     .venv/bin/python benchmarks/offline_throughput.py [--model gemma3-270m] [--num-prompts 256]
 
@@ -18,6 +19,7 @@ import argparse
 import os
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -35,6 +37,7 @@ def run_tokenmill(args: argparse.Namespace, prompts: list[list[int]], model_impl
         args.model,
         model_impl=model_impl,
         dtype=args.dtype,
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
@@ -54,11 +57,21 @@ def gguf_location(model: str) -> tuple[str, str]:
 
     path = locate_bundled(model) if model in BUNDLED_MODELS else model
     if not path.endswith(".gguf"):
-        raise SystemExit(
-            f"the transformers side of this benchmark needs a bundled GGUF alias or a .gguf file, got {model!r}"
-        )
+        raise SystemExit(f"this needs a bundled GGUF alias or a .gguf file, got {model!r}")
     folder, name = os.path.split(os.path.abspath(path))
     return folder, name
+
+
+def load_transformers(model: str, dtype: torch.dtype, device: str) -> Any:
+    """transformers' model of a Hugging Face folder, a bundled GGUF alias or a .gguf file."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(model):
+        hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    else:
+        folder, name = gguf_location(model)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    return hf_model.to(device).eval()
 
 
 def vocab_size_of(model: str) -> int:
@@ -68,19 +81,16 @@ def vocab_size_of(model: str) -> int:
 
 
 def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> float:
-    from transformers import AutoModelForCausalLM
-
-    folder, name = gguf_location(args.model)
     dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    model = load_transformers(args.model, dtype, args.device)
     batch = args.hf_batch_size
     with torch.inference_mode():
-        warm = torch.tensor(prompts[:2])
+        warm = torch.tensor(prompts[:2], device=args.device)
         model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
         num_tokens = 0
         for i in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[i : i + batch])  # equal lengths: no padding needed
+            ids = torch.tensor(prompts[i : i + batch], device=args.device)  # equal lengths: no padding
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -89,6 +99,8 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> floa
                 do_sample=False,
             )
             num_tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     return num_tokens / elapsed
 
@@ -99,6 +111,7 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda, for both sides")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

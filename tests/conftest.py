@@ -8,6 +8,7 @@ free or held only by the prefix tree, and ``check_integrity()`` passing.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -223,8 +224,14 @@ def _track_llms() -> Iterator[None]:
 
     original = LLM.__init__
 
+    # TOKENMILL_TEST_DEVICE=cuda runs every LLM of the session on that device (the references stay
+    # on the CPU): how the engine is checked on a GPU machine, which CI does not have.
+    device = os.environ.get("TOKENMILL_TEST_DEVICE")
+
     @functools.wraps(original)
     def tracking_init(self: LLM, *args: Any, **kwargs: Any) -> None:
+        if device:
+            kwargs.setdefault("device", device)
         original(self, *args, **kwargs)
         _LIVE_LLMS.add(self)
 

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, paged_attention_decode, write_kv
-from tokenmill.worker.forward_batch import AttentionGroup
+from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -21,6 +21,47 @@ class CpuPagedAttention(TorchPagedAttention):
     sequence); needs the kernel loaded (``cpu_kernels.load_error()`` None) and CPU tensors."""
 
     name = "cpu"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A step of decodes only (one group covering every row in order) returns the kernel's output
+        itself instead of copying it into a new tensor; anything else goes group by group."""
+        groups = metadata.groups
+        if (
+            len(groups) != 1
+            or groups[0].first_row != 0
+            or not self._kernel_handles(query, kv_cache, groups[0])
+        ):
+            return super().forward(query, key, value, kv_cache, metadata)
+        group = groups[0]
+        assert group.block_tables is not None and group.seq_lens is not None
+        if group.block_tables.shape[0] != query.shape[0]:
+            return super().forward(query, key, value, kv_cache, metadata)
+        self._store_kv(key, value, kv_cache, metadata.slot_mapping)
+        return self._decode(query, kv_cache, group)  # [num_tokens, num_heads, head_dim]
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [S, num_heads, head_dim]: one row per sequence of the group, in order
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+    ) -> torch.Tensor:
+        assert group.block_tables is not None and group.seq_lens is not None
+        return paged_attention_decode(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            group.block_tables,
+            group.seq_lens,
+            self.scale,
+            group.sliding_window,
+        )  # [S, num_heads, head_dim]
 
     def _attend_group(
         self,
@@ -35,15 +76,8 @@ class CpuPagedAttention(TorchPagedAttention):
         assert group.block_tables is not None and group.seq_lens is not None
         rows = group.valid_rows  # [S]: a decode group has one valid row per sequence
         first, num_seqs = group.first_row, group.block_tables.shape[0]
-        attended = paged_attention_decode(
-            query.index_select(0, rows) if first is None else query[first : first + num_seqs],  # [S, H, D]
-            kv_cache[0],
-            kv_cache[1],
-            group.block_tables,
-            group.seq_lens,
-            self.scale,
-            group.sliding_window,
-        )  # [S, num_heads, head_dim]
+        selected = query.index_select(0, rows) if first is None else query[first : first + num_seqs]
+        attended = self._decode(selected, kv_cache, group)  # [S, num_heads, head_dim]
         if first is None:
             out.index_copy_(0, rows, attended)
         else:

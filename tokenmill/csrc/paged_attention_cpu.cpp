@@ -361,7 +361,17 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
   const int64_t kv_per_item = num_seqs >= 4 * threads ? p.kv_heads : 1;
   const int64_t items_per_seq = p.kv_heads / kv_per_item;
   const int64_t num_items = num_seqs * items_per_seq;
-  const int num_threads = static_cast<int>(std::min<int64_t>(threads, num_items));
+  // A small step (one short sequence: tens of microseconds of work) stays on the calling thread: a
+  // second thread gains microseconds on idle cores, and costs a whole scheduler time slice at the
+  // barrier when another process (the API server) holds a core.
+  int64_t kv_elements = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t len = p.window > 0 ? std::min(p.seq_lens[seq], p.window) : p.seq_lens[seq];
+    kv_elements += 2 * len * p.kv_heads * p.head_dim;
+  }
+  constexpr int64_t kMinKvElementsToShare = int64_t{1} << 19;
+  const int num_threads =
+      kv_elements < kMinKvElementsToShare ? 1 : static_cast<int>(std::min<int64_t>(threads, num_items));
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;

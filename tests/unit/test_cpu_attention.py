@@ -219,6 +219,81 @@ def test_output_is_bitwise_independent_of_batch_threads_and_index_dtype() -> Non
         torch.set_num_threads(previous)
 
 
+def shared_prefix_step(
+    dtype: torch.dtype, block_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, kv_cache, block_tables, seq_lens) of a decode step whose sequences share leading cache
+    blocks as the prefix cache shares them: 20 sequences behind one 200-token prefix (12 full blocks,
+    more than one group's worth), 3 behind a 64-token one, 2 of those also sharing 3 more blocks, a
+    sequence that shares only one block, one shorter than the shared prefix, and 4 lone sequences."""
+    rng = random.Random(1)
+    num_blocks = 600
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    prefix_a = [pool.pop() for _ in range(200 // block_size)]
+    prefix_b = [pool.pop() for _ in range(64 // block_size)]
+    prefix_b2 = prefix_b + [pool.pop() for _ in range(3)]
+    # (shared blocks, sequence length)
+    layout = [(prefix_a, rng.randrange(193, 400)) for _ in range(20)]
+    layout += [
+        (prefix_b, 64 + 9),
+        (prefix_b2, 64 + 3 * block_size + 20),
+        (prefix_b2, 64 + 3 * block_size + 1),
+    ]
+    layout += [(prefix_a[:1], 150), (prefix_a, 100)]
+    layout += [([], n) for n in (1, 16, 70, 333)]
+    rng.shuffle(layout)
+    tables, lens = [], []
+    for shared, seq_len in layout:
+        needed = -(-seq_len // block_size)
+        own = shared[: min(len(shared), seq_len // block_size)]
+        tables.append(own + [pool.pop() for _ in range(needed - len(own))])
+        lens.append(seq_len)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [S, width]
+    generator = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64, generator=generator).to(dtype)
+    query = torch.randn(len(layout), 9, 64, generator=generator).to(dtype)  # [S, heads, head_dim]
+    return query, kv_cache, block_tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequences_sharing_prefix_blocks_read_them_together_with_the_same_result(
+    dtype: torch.dtype, threads: int
+) -> None:
+    """Sequences whose block tables start with the same blocks are attended as a group (the shared
+    blocks read once); each one's output is bitwise what it is alone, and matches the reference."""
+    query, kv_cache, tables, lens = shared_prefix_step(dtype)
+
+    def call(rows: list[int]) -> torch.Tensor:
+        return cpu_kernels.paged_attention_decode(
+            query[rows], kv_cache[0], kv_cache[1], tables[rows], lens[rows], 0.125
+        )  # [len(rows), heads, head_dim]
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = call(list(range(len(lens))))
+        for s in range(len(lens)):
+            assert torch.equal(call([s]), together[s : s + 1]), f"sequence {s} differs when grouped"
+    finally:
+        torch.set_num_threads(previous)
+    for s in range(len(lens)):
+        n = int(lens[s])
+        table = tables[s, : -(-n // 16)]
+        slots = (table[:, None] * 16 + torch.arange(16)).flatten()[:n]  # [n]
+        keys = kv_cache[0].flatten(0, 1)[slots].float()  # [n, kv_heads, head_dim]
+        values = kv_cache[1].flatten(0, 1)[slots].float()
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[s].float()[:, None, :],  # [heads, 1, head_dim]
+            keys.transpose(0, 1).repeat_interleave(3, dim=0),  # [heads, n, head_dim]
+            values.transpose(0, 1).repeat_interleave(3, dim=0),
+            scale=0.125,
+        )[:, 0]  # [heads, head_dim]
+        torch.testing.assert_close(together[s].float(), expected, atol=ATOL[dtype], rtol=0)
+
+
 def test_the_loaded_kernel_is_the_cached_build() -> None:
     """The cache key still names the folder the loaded library came from (it once changed after the
     build, because cpp_extension appends to the flag lists it is given)."""

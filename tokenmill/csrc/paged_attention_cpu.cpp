@@ -15,7 +15,12 @@
 //   zeros. Accumulation is float32, with a streaming (online) softmax over chunks of 64 positions.
 //
 // All query heads of a KV head are computed together, so every K/V row is loaded from memory once.
-// OpenMP tasks are whole sequences when there are enough of them, else (sequence, KV head) pairs.
+// Sequences whose block tables start with the same blocks (a shared system prompt through the prefix
+// cache, n > 1 siblings) are attended as a group over those blocks: each chunk of shared rows is read
+// from memory once and used by every member while it is in cache (cascade attention), then each
+// member attends to the rest of its own positions.
+// OpenMP tasks are whole items (a sequence or a group) when there are enough of them, else (item, KV
+// head) pairs.
 // Each head's sums run in one fixed order, so results do not depend on the batch or the thread count.
 // Common head sizes (64, 128) get code specialised at compile time (no tail masks, fully unrolled);
 // the others run the same code with run-time sizes.
@@ -47,6 +52,8 @@ constexpr int kHeadTile = 4;
 constexpr int kSpan = 4;
 // Positions per online-softmax step: the max/exp/rescale bookkeeping is paid once per this many.
 constexpr int kChunkTokens = 64;
+// Most sequences that read a shared prefix together (bounds each thread's scratch).
+constexpr int64_t kMaxMembers = 16;
 
 // Everything the tasks share, read once per call.
 template <typename scalar_t>
@@ -88,6 +95,9 @@ struct Scratch {
   const void* k_rows[2][kChunkTokens];    // KV head 0's K row of each position of a chunk
   const void* v_rows[2][kChunkTokens];
   const c10::BFloat16* q_bf16 = nullptr;  // the sequence's queries, when they are bfloat16
+  // Which sequence's state q/acc/row_max/row_sum hold: a shared-prefix group keeps one state per
+  // member, member m's heads at [m * num_heads, (m + 1) * num_heads).
+  int64_t base = 0;
 };
 
 // KV head 0's rows of positions [pos, pos + n) of the sequence with block table `table`.
@@ -163,7 +173,7 @@ void score_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t
       Vec q[NG][kSpan];
       for (int g = 0; g < NG; ++g)
         for (int j = 0; j < kSpan; ++j)
-          if (c0 + j < chunks) q[g][j] = load(&s.q[(h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes);
+          if (c0 + j < chunks) q[g][j] = load(&s.q[(s.base + h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes);
       for (int i = 0; i < m; ++i) {
         if (prefetch && c0 == 0) prefetch_next(c, tg + i);
         const scalar_t* k = static_cast<const scalar_t*>(c.k_rows[tg + i]) + k_off + c0 * kLanes;
@@ -235,7 +245,7 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
     Vec best = splat(kNegInf);
     for (int64_t i = 0; i < n; i += kLanes)
       best = max(best, load_or(row + i, static_cast<int>(n - i), kNegInf));
-    const float old_max = s.row_max[h0 + g];
+    const float old_max = s.row_max[s.base + h0 + g];
     const float new_max = std::max(old_max, reduce_max(best));
     alpha[g] = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
     Vec sum = zero();
@@ -246,8 +256,8 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
       store(row + i, prob, lanes);
       sum = add(sum, prob);
     }
-    s.row_max[h0 + g] = new_max;
-    s.row_sum[h0 + g] = s.row_sum[h0 + g] * alpha[g] + reduce_add(sum);
+    s.row_max[s.base + h0 + g] = new_max;
+    s.row_sum[s.base + h0 + g] = s.row_sum[s.base + h0 + g] * alpha[g] + reduce_add(sum);
   }
 
   // Positions outer, a span of chunks inner: NG * kSpan independent accumulators in registers, enough
@@ -258,7 +268,8 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < kSpan; ++j)
         if (c0 + j < chunks)
-          acc[g][j] = mul(load(&s.acc[(h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes), splat(alpha[g]));
+          acc[g][j] = mul(load(&s.acc[(s.base + h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes),
+                          splat(alpha[g]));
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* v = static_cast<const scalar_t*>(c.v_rows[t]) + v_off + c0 * kLanes;
       Vec prob[NG];
@@ -271,7 +282,7 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
     }
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < kSpan; ++j)
-        if (c0 + j < chunks) store(&s.acc[(h0 + g) * p.padded_dim + (c0 + j) * kLanes], acc[g][j], kLanes);
+        if (c0 + j < chunks) store(&s.acc[(s.base + h0 + g) * p.padded_dim + (c0 + j) * kLanes], acc[g][j], kLanes);
   }
 }
 
@@ -290,34 +301,40 @@ void attend_tile(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t
   }
 }
 
-// KV heads [kv0, kv1) of sequence `seq`, with all their query heads. Chunk by chunk, every KV head of
-// the range reads its part of the same cache rows, so a sequence handled whole streams through whole
-// rows rather than a strided slice of each.
-template <int kChunks, typename scalar_t>
-void attend_item(const Problem<scalar_t>& p, Scratch& s, int64_t seq, int64_t kv0, int64_t kv1) {
-  const int64_t group = p.num_heads / p.kv_heads;
-  const int64_t seq_len = p.seq_lens[seq];
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
-  const int64_t h_begin = kv0 * group, h_end = kv1 * group;
+// One member of a work item: a sequence and the slot of its softmax state in the scratch.
+struct Member {
+  int64_t seq;
+  int64_t base;  // state slot offset, a multiple of num_heads
+};
 
-  const scalar_t* q_seq = p.query + seq * p.q_stride_seq;
-  s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(q_seq);
+// Loads the queries of heads [h_begin, h_end) of `m.seq` and clears their softmax state.
+template <typename scalar_t>
+void init_state(const Problem<scalar_t>& p, Scratch& s, const Member& m, int64_t h_begin, int64_t h_end) {
+  const scalar_t* q_seq = p.query + m.seq * p.q_stride_seq;
   for (int64_t h = h_begin; h < h_end; ++h) {
-    float* q = &s.q[h * p.padded_dim];
+    float* q = &s.q[(m.base + h) * p.padded_dim];
     for (int64_t d = 0; d < p.head_dim; ++d) q[d] = static_cast<float>(q_seq[h * p.q_stride_head + d]);
-    std::fill(&s.acc[h * p.padded_dim], &s.acc[(h + 1) * p.padded_dim], 0.0f);
-    s.row_max[h] = kNegInf;
-    s.row_sum[h] = 0.0f;
+    std::fill(&s.acc[(m.base + h) * p.padded_dim], &s.acc[(m.base + h + 1) * p.padded_dim], 0.0f);
+    s.row_max[m.base + h] = kNegInf;
+    s.row_sum[m.base + h] = 0.0f;
   }
+}
 
-  const int64_t* table = p.block_tables + seq * p.table_stride;
+// Positions [begin, end) of the block table `table`, attended by every member for KV heads [kv0, kv1)
+// with all their query heads. Chunks of kChunkTokens positions start at `begin`; chunk by chunk, each
+// member in turn reads the same rows, which the first member brought into cache. Every KV head of the
+// range reads its part of the same cache rows, so a range handled whole streams through whole rows.
+template <int kChunks, typename scalar_t>
+void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, int64_t begin, int64_t end,
+                  int64_t kv0, int64_t kv1, const Member* members, int64_t num_members) {
+  const int64_t group = p.num_heads / p.kv_heads;
   const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
   // The bytes of a row the range reads: KV heads [kv0, kv1) (the last one only head_dim long).
   const int64_t prefetch_bytes = ((kv1 - kv0 - 1) * p.k_stride_head + p.head_dim) * elem;
   int cur = 0;
-  if (first < seq_len) {
-    const int64_t n = std::min<int64_t>(kChunkTokens, seq_len - first);
-    find_rows(p, table, first, n, s.k_rows[cur], s.v_rows[cur]);
+  if (begin < end) {
+    const int64_t n = std::min<int64_t>(kChunkTokens, end - begin);
+    find_rows(p, table, begin, n, s.k_rows[cur], s.v_rows[cur]);
     // Later chunks are prefetched while the one before them is computed; the first has nothing
     // before it, so ask for all of its rows at once: the misses then overlap instead of queueing
     // behind the dot products one row at a time.
@@ -325,42 +342,138 @@ void attend_item(const Problem<scalar_t>& p, Scratch& s, int64_t seq, int64_t kv
                            kv0 * p.k_stride_head * elem, kv0 * p.v_stride_head * elem, prefetch_bytes};
     for (int64_t i = 0; i < n; ++i) prefetch_next(first_rows, i);
   }
-  for (int64_t pos = first; pos < seq_len; pos += kChunkTokens) {
+  for (int64_t pos = begin; pos < end; pos += kChunkTokens) {
     const int64_t next = pos + kChunkTokens;
-    const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, seq_len - next));
+    const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, end - next));
     if (next_n > 0) find_rows(p, table, next, next_n, s.k_rows[1 - cur], s.v_rows[1 - cur]);
     const Chunk chunk{s.k_rows[cur],
                       s.v_rows[cur],
-                      std::min<int64_t>(kChunkTokens, seq_len - pos),
+                      std::min<int64_t>(kChunkTokens, end - pos),
                       s.k_rows[1 - cur],
                       s.v_rows[1 - cur],
                       next_n,
                       kv0 * p.k_stride_head * elem,
                       kv0 * p.v_stride_head * elem,
                       prefetch_bytes};
-    for (int64_t kv = kv0; kv < kv1; ++kv)
-      for (int64_t g0 = 0; g0 < group; g0 += kHeadTile)
-        attend_tile<kChunks>(p, s, chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),
-                             kv == kv0 && g0 == 0);
+    for (int64_t m = 0; m < num_members; ++m) {
+      s.base = members[m].base;
+      s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(p.query + members[m].seq * p.q_stride_seq);
+      for (int64_t kv = kv0; kv < kv1; ++kv)
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadTile)
+          attend_tile<kChunks>(p, s, chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),
+                               m == 0 && kv == kv0 && g0 == 0);
+    }
     cur = 1 - cur;
   }
+}
 
+// Normalises and writes the outputs of heads [h_begin, h_end) of `m.seq`.
+template <typename scalar_t>
+void finish_state(const Problem<scalar_t>& p, const Scratch& s, const Member& m, int64_t h_begin, int64_t h_end) {
   for (int64_t h = h_begin; h < h_end; ++h) {
-    const float inv = s.row_sum[h] > 0.0f ? 1.0f / s.row_sum[h] : 0.0f;
-    scalar_t* o = p.out + (seq * p.num_heads + h) * p.head_dim;
-    for (int64_t d = 0; d < p.head_dim; ++d) o[d] = static_cast<scalar_t>(s.acc[h * p.padded_dim + d] * inv);
+    const float inv = s.row_sum[m.base + h] > 0.0f ? 1.0f / s.row_sum[m.base + h] : 0.0f;
+    scalar_t* o = p.out + (m.seq * p.num_heads + h) * p.head_dim;
+    const float* acc = &s.acc[(m.base + h) * p.padded_dim];
+    for (int64_t d = 0; d < p.head_dim; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
   }
+}
+
+// A work item: sequences order[first, first + count), whose first `shared_len` positions (a multiple
+// of kChunkTokens; 0 for a lone sequence) sit in the same cache blocks. The shared positions are read
+// from memory once for all members; each member then attends to the rest of its own positions. The
+// chunks start at the same positions as they would for the sequence alone, so every member's result
+// is bitwise the same as without the group.
+struct Item {
+  int64_t first, count, shared_len;
+};
+
+template <int kChunks, typename scalar_t>
+void attend_item(const Problem<scalar_t>& p, Scratch& s, const std::vector<int64_t>& order, const Item& item,
+                 int64_t kv0, int64_t kv1) {
+  const int64_t group = p.num_heads / p.kv_heads;
+  const int64_t h_begin = kv0 * group, h_end = kv1 * group;
+  Member members[kMaxMembers];
+  for (int64_t m = 0; m < item.count; ++m) {
+    members[m] = Member{order[item.first + m], m * p.num_heads};
+    init_state(p, s, members[m], h_begin, h_end);
+  }
+  if (item.shared_len > 0) {
+    const int64_t* leader_table = p.block_tables + members[0].seq * p.table_stride;
+    attend_range<kChunks>(p, s, leader_table, 0, item.shared_len, kv0, kv1, members, item.count);
+  }
+  for (int64_t m = 0; m < item.count; ++m) {
+    const int64_t seq = members[m].seq, seq_len = p.seq_lens[seq];
+    const int64_t begin =
+        item.shared_len > 0 ? item.shared_len : (p.window > 0 ? std::max<int64_t>(0, seq_len - p.window) : 0);
+    attend_range<kChunks>(p, s, p.block_tables + seq * p.table_stride, begin, seq_len, kv0, kv1, &members[m], 1);
+    finish_state(p, s, members[m], h_begin, h_end);
+  }
+}
+
+// Leading block ids two block tables have in common, among the first `limit`.
+inline int64_t common_blocks(const int64_t* a, const int64_t* b, int64_t limit) {
+  int64_t n = 0;
+  while (n < limit && a[n] == b[n]) ++n;
+  return n;
+}
+
+// The work items: sequences whose block tables start with the same cache blocks (a shared system
+// prompt, n > 1 siblings, forks) form groups that read those blocks once; the others stand alone.
+// Without a window only: a window's first position depends on the sequence's length.
+template <typename scalar_t>
+std::vector<Item> plan_items(const Problem<scalar_t>& p, int64_t num_seqs, std::vector<int64_t>& order) {
+  order.resize(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
+  std::vector<Item> items;
+  const auto table = [&](int64_t seq) { return p.block_tables + seq * p.table_stride; };
+  // Blocks whose every position is below the sequence's length: their contents are settled.
+  const auto full_blocks = [&](int64_t seq) { return p.seq_lens[seq] / p.block_size; };
+  if (p.window > 0 || num_seqs < 2) {
+    for (int64_t i = 0; i < num_seqs; ++i) items.push_back(Item{i, 1, 0});
+    return items;
+  }
+  // Sorted by their full blocks' ids, lexicographically: sequences with long common prefixes end up
+  // side by side.
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t n = std::min(full_blocks(a), full_blocks(b));
+    const int64_t common = common_blocks(table(a), table(b), n);
+    return common < n ? table(a)[common] < table(b)[common] : full_blocks(a) < full_blocks(b);
+  });
+  const int64_t min_shared_blocks = (kChunkTokens + p.block_size - 1) / p.block_size;
+  int64_t i = 0;
+  while (i < num_seqs) {
+    // Grow a group from order[i] while the next sequence shares at least one chunk of blocks with
+    // it and joining does not halve what the group shares.
+    const int64_t leader = order[i];
+    int64_t shared_blocks = full_blocks(leader), j = i + 1;
+    while (j < num_seqs && j - i < kMaxMembers) {
+      const int64_t seq = order[j];
+      const int64_t common =
+          common_blocks(table(leader), table(seq), std::min(shared_blocks, full_blocks(seq)));
+      if (common < min_shared_blocks || (j - i > 1 && 2 * common < shared_blocks)) break;
+      shared_blocks = common;
+      ++j;
+    }
+    const int64_t shared_len = j - i > 1 ? shared_blocks * p.block_size / kChunkTokens * kChunkTokens : 0;
+    items.push_back(Item{i, j - i, shared_len});
+    i = j;
+  }
+  return items;
 }
 
 template <int kChunks, typename scalar_t>
 void run(const Problem<scalar_t>& p, int64_t num_seqs) {
   const int threads = std::max(1, at::get_num_threads());  // torch.set_num_threads governs this kernel too
-  // A whole sequence per task when there are enough sequences to share out (whole rows stream from
-  // memory); otherwise one task per (sequence, KV head), so that a few long sequences still use every
-  // thread.
-  const int64_t kv_per_item = num_seqs >= 4 * threads ? p.kv_heads : 1;
-  const int64_t items_per_seq = p.kv_heads / kv_per_item;
-  const int64_t num_items = num_seqs * items_per_seq;
+  std::vector<int64_t> order;
+  const std::vector<Item> items = plan_items(p, num_seqs, order);
+  int64_t max_members = 1;
+  for (const Item& item : items) max_members = std::max(max_members, item.count);
+  // Whole items when there are enough to share out (whole rows stream from memory); otherwise one task
+  // per (item, KV head), so that a few long sequences still use every thread.
+  const int64_t num_items_whole = static_cast<int64_t>(items.size());
+  const int64_t kv_per_task = num_items_whole >= 4 * threads ? p.kv_heads : 1;
+  const int64_t tasks_per_item = p.kv_heads / kv_per_task;
+  const int64_t num_tasks = num_items_whole * tasks_per_item;
   // A small step (one short sequence: tens of microseconds of work) stays on the calling thread: a
   // second thread gains microseconds on idle cores, and costs a whole scheduler time slice at the
   // barrier when another process (the API server) holds a core.
@@ -371,19 +484,20 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
   }
   constexpr int64_t kMinKvElementsToShare = int64_t{1} << 19;
   const int num_threads =
-      kv_elements < kMinKvElementsToShare ? 1 : static_cast<int>(std::min<int64_t>(threads, num_items));
+      kv_elements < kMinKvElementsToShare ? 1 : static_cast<int>(std::min<int64_t>(threads, num_tasks));
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;
-    s.q.resize(p.num_heads * p.padded_dim);
-    s.acc.resize(p.num_heads * p.padded_dim);
-    s.row_max.resize(p.num_heads);
-    s.row_sum.resize(p.num_heads);
+    s.q.resize(max_members * p.num_heads * p.padded_dim);
+    s.acc.resize(max_members * p.num_heads * p.padded_dim);
+    s.row_max.resize(max_members * p.num_heads);
+    s.row_sum.resize(max_members * p.num_heads);
     // Dynamic: sequence lengths differ, so equal shares of tasks are not equal shares of work.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t seq = item / items_per_seq, kv0 = item % items_per_seq * kv_per_item;
-      attend_item<kChunks>(p, s, seq, kv0, kv0 + kv_per_item);
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const Item& item = items[task / tasks_per_item];
+      const int64_t kv0 = task % tasks_per_item * kv_per_task;
+      attend_item<kChunks>(p, s, order, item, kv0, kv0 + kv_per_task);
     }
   }
 }

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
 
@@ -43,16 +44,22 @@ class LMHead(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.int8_weight: torch.Tensor | None = None
         self.int8_scales: torch.Tensor | None = None
+        self.int4_weight: Int4Weight | None = None
         self.dequantized_weight: torch.Tensor | None = None
 
-    def quantize_weights(self, kind: str) -> None:
-        """Int8 projection weights (layers/quantization.py). The float weight is left alone (a tied one
-        is also the embedding table, which stays exact); large batches project with a dequantized
-        copy, so every batch size computes logits with the same quantized values."""
-        assert kind == "int8", kind
+    def quantize_weights(self, kind: str) -> str | None:
+        """Int8 or int4 projection weights (layers/quantization.py, layers/int4.py). The float weight
+        is left alone (a tied one is also the embedding table, which stays exact); large batches
+        project with a dequantized copy, so every batch size computes logits with the same quantized
+        values. Returns None, or why the projection keeps its weights."""
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        if kind == "int4":
+            self.int4_weight, self.dequantized_weight, reason = quantize_int4_weight(weight.data)
+            return reason
+        assert kind == "int8", kind
         self.int8_weight, self.int8_scales = quantize_int8_rows(weight.data)
         self.dequantized_weight = dequantize_int8_rows(self.int8_weight, self.int8_scales)
+        return None
 
     def _projection_weight(self) -> torch.Tensor:
         if self.dequantized_weight is not None:
@@ -65,6 +72,8 @@ class LMHead(nn.Module):
         self.packed_weight = pack_weight(weight.data) if packing_available(weight) else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.int4_weight is not None and self.int4_weight.takes(hidden):
+            return self.int4_weight.linear(hidden, None)  # [num_rows, vocab_size]
         if (
             self.int8_weight is not None
             and self.int8_scales is not None

@@ -23,8 +23,10 @@ import torch
 GROUP_SIZE = 32
 
 # Up to this many rows a step uses the int4 kernel; above it the packed bfloat16 GEMM on the
-# dequantized weight is faster (benchmarks/int4_gemv.py measures the crossover, docs/performance.md).
-INT4_MAX_ROWS = 16
+# dequantized weight is faster. The kernel's time grows with the rows (one bfloat16 dot-product
+# instruction per row and group) while oneDNN's stays at its streaming time: on SmolLM2's shapes
+# they cross between 8 and 16 rows (benchmarks/int4_gemv.py, docs/performance.md).
+INT4_MAX_ROWS = 8
 
 _FLOAT16_MAX = 65504.0
 

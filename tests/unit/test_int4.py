@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from tokenmill.layers import int4 as int4_module
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.int4 import (
     INT4_MAX_ROWS,
@@ -161,6 +162,15 @@ def test_tied_lm_head_quantizes_its_projection_and_leaves_the_embedding_exact() 
         small, hidden[:2].float() @ head.dequantized_weight.float().T, rtol=2**-7, atol=1e-4
     )
     assert torch.allclose(small, large[:2], rtol=2e-2, atol=2e-2)
+
+
+def test_without_the_kernels_int4_is_a_clear_error_not_a_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int4_module, "load_error", lambda: "RuntimeError: no C++ compiler found")
+    layer = RowParallelLinear(64, 32, dtype=BF16)
+    with pytest.raises(
+        RuntimeError, match="'int4' needs the C\\+\\+ CPU kernels, which are unavailable: .*no C"
+    ):
+        layer.quantize_weights("int4")
 
 
 def test_check_quantization_accepts_int4_in_bfloat16_on_cpu_only() -> None:

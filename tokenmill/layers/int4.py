@@ -15,10 +15,11 @@ oneDNN's bfloat16 GEMM, so every batch size computes with the same weight values
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.layers.cpu_kernels import load_error
 
 GROUP_SIZE = 32
 
@@ -35,8 +36,9 @@ def int4_supported(weight: torch.Tensor) -> str | None:
     """None when ``weight`` ``[out, in]`` can be stored as int4, else why not (for the load log)."""
     if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
         return f"in_features {weight.shape[-1]} is not a multiple of {GROUP_SIZE}"
-    if float(weight.abs().max()) > _FLOAT16_MAX:
-        return "values exceed the float16 range of the scales"
+    largest = float(weight.abs().max())
+    if not largest <= _FLOAT16_MAX:  # also NaN
+        return "values exceed the float16 range of the scales (or are not finite)"
     return None
 
 
@@ -68,10 +70,8 @@ def dequantize_int4_reference(packed: torch.Tensor, scales: torch.Tensor, mins: 
     return values.to(torch.bfloat16).reshape(out_features, -1)
 
 
-@functools.cache
 def _require_kernel() -> None:
-    from tokenmill.layers.cpu_kernels import load_error
-
+    """RuntimeError when the C++ kernels cannot be built or loaded (``load_error`` caches the build)."""
     error = load_error()
     if error is not None:
         raise RuntimeError(f"quantization 'int4' needs the C++ CPU kernels, which are unavailable: {error}")

@@ -167,6 +167,7 @@ def test_tied_lm_head_quantizes_its_projection_and_leaves_the_embedding_exact() 
 def test_without_the_kernels_int4_is_a_clear_error_not_a_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int4_module, "load_error", lambda: "RuntimeError: no C++ compiler found")
     layer = RowParallelLinear(64, 32, dtype=BF16)
+    layer.weight.data.copy_(torch.randn(32, 64))
     with pytest.raises(
         RuntimeError, match="'int4' needs the C\\+\\+ CPU kernels, which are unavailable: .*no C"
     ):

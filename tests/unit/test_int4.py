@@ -205,3 +205,25 @@ def test_engine_int4_gives_the_same_greedy_tokens_alone_and_in_a_large_batch(
     others = [{"prompt_token_ids": [20 + i, 30 + i, 40 + i]} for i in range(INT4_MAX_ROWS + 8)]
     batch = llm.generate([{"prompt_token_ids": prompt}, *others], params, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
+
+
+def test_the_runner_counts_quantized_layers_and_logs_each_one_left_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from tokenmill.worker.model_runner import ModelRunner
+
+    model = torch.nn.ModuleDict(
+        {"fits": RowParallelLinear(64, 32, dtype=BF16), "odd": RowParallelLinear(48, 32, dtype=BF16)}
+    )
+    for layer in model.values():
+        layer.weight.data.copy_(torch.randn(32, layer.in_features))
+    runner = SimpleNamespace(model=model, dtype=BF16, device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="tokenmill.worker.model_runner"):
+        assert ModelRunner._quantize(runner, "int4") == 1  # type: ignore[arg-type]
+    assert (
+        "odd keeps its torch.bfloat16 weights (not int4): in_features 48 is not a multiple of 32"
+        in caplog.text
+    )
+    assert "fits keeps" not in caplog.text

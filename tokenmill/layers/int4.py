@@ -30,12 +30,16 @@ GROUP_SIZE = 32
 INT4_MAX_ROWS = 8
 
 _FLOAT16_MAX = 65504.0
+# The kernel keeps one weight row's scales and minimums in float32 on the stack (kMaxGroups groups).
+MAX_IN_FEATURES = 1024 * GROUP_SIZE
 
 
 def int4_supported(weight: torch.Tensor) -> str | None:
     """None when ``weight`` ``[out, in]`` can be stored as int4, else why not (for the load log)."""
     if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
         return f"in_features {weight.shape[-1]} is not a multiple of {GROUP_SIZE}"
+    if weight.shape[1] > MAX_IN_FEATURES:
+        return f"in_features {weight.shape[1]} is above the kernel's {MAX_IN_FEATURES}"
     largest = float(weight.abs().max())
     if not largest <= _FLOAT16_MAX:  # also NaN
         return "values exceed the float16 range of the scales (or are not finite)"

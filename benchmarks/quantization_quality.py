@@ -1,13 +1,13 @@
-"""Quality of the opt-in int8 weights against bfloat16, on ShareGPT text (issue 5's quality guard).
+"""Quality of the opt-in int8 / int4 weights against bfloat16, on ShareGPT text (issue 5's quality guard).
 
-Prints, for SmolLM2-135M:
+Prints, for SmolLM2-135M and each mode of ``--quantization`` (default int8):
 - perplexity of the ShareGPT answers (prompt log-probabilities of "question + answer" texts, scored
-  on the answer tokens) in bfloat16 and in int8, and their ratio;
+  on the answer tokens) in bfloat16 and in the quantized mode, and their ratio;
 - greedy agreement: for chat prompts made of ShareGPT questions, the fraction of generated tokens
   that equal bfloat16's output up to the first divergence, and the fraction of fully identical
   completions.
 
-    .venv/bin/python benchmarks/quantization_quality.py [--num-texts 64] [--num-prompts 32]
+    .venv/bin/python benchmarks/quantization_quality.py [--quantization int8 int4] [--num-texts 64] [--num-prompts 32]
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ def main() -> None:
     parser.add_argument("--max-text-tokens", type=int, default=512)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--quantization", nargs="+", default=["int8"], choices=["int8", "int4"])
     args = parser.parse_args()
 
     results: dict[str, dict[str, Any]] = {}
     samples: list[tuple[list[int], int]] = []
     questions: list[str] = []
-    for mode in (None, "int8"):
+    for mode in (None, *args.quantization):
         llm = LLM("smollm2-135m", dtype="bfloat16", quantization=mode)
         if not samples:
             samples = texts(args.num_texts, args.max_text_tokens, llm.get_tokenizer())
@@ -81,24 +82,26 @@ def main() -> None:
         }
         del llm
 
-    base, quant = results["bf16"], results["int8"]
-    prefix_fractions, identical = [], 0
-    for ref, got in zip(base["greedy"], quant["greedy"], strict=True):
-        same = next(
-            (i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got))
-        )
-        prefix_fractions.append(same / max(len(ref), 1))
-        identical += ref == got
+    base = results["bf16"]
     print(
         f"ShareGPT: {len(samples)} texts for perplexity, {len(questions)} chat prompts x {args.output_len} greedy tokens"
     )
-    print(
-        f"perplexity  bf16 {base['ppl']:.3f}  int8 {quant['ppl']:.3f}  ratio {quant['ppl'] / base['ppl']:.4f}"
-    )
-    print(
-        f"greedy agreement with bf16: mean matching prefix {statistics.mean(prefix_fractions) * 100:.1f}% of tokens, "
-        f"{identical}/{len(questions)} completions identical"
-    )
+    for mode in args.quantization:
+        quant = results[mode]
+        prefix_fractions, identical = [], 0
+        for ref, got in zip(base["greedy"], quant["greedy"], strict=True):
+            same = next(
+                (i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got))
+            )
+            prefix_fractions.append(same / max(len(ref), 1))
+            identical += ref == got
+        print(
+            f"perplexity  bf16 {base['ppl']:.3f}  {mode} {quant['ppl']:.3f}  ratio {quant['ppl'] / base['ppl']:.4f}"
+        )
+        print(
+            f"{mode} greedy agreement with bf16: mean matching prefix {statistics.mean(prefix_fractions) * 100:.1f}% "
+            f"of tokens, {identical}/{len(questions)} completions identical"
+        )
 
 
 if __name__ == "__main__":

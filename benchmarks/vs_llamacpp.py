@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--server-prompts", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, help="tokenmill weight quantization (e.g. int8)")
+    parser.add_argument("--quantization", default=None, help="tokenmill weight quantization (int8 or int4)")
     parser.add_argument("--weights", default="Q4_1,Q8_0,BF16", help="llama.cpp weight files to try")
     parser.add_argument("--skip-server", action="store_true")
     args = parser.parse_args()

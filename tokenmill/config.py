@@ -82,8 +82,9 @@ class ModelConfig:
     takes the model's own limit. ``model_impl`` chooses the model code: ``native`` (ours; an
     architecture we lack is a ValueError), ``transformers`` (transformers' modelling code over our
     paged KV cache, for any architecture it can route), ``auto`` (native when we have it, else
-    transformers). ``quantization`` is None (weights as loaded) or ``int8`` (opt-in weight-only int8
-    for the native models' linear layers on CPU in bfloat16; see layers/quantization.py).
+    transformers). ``quantization`` is None (weights as loaded), ``int8`` or ``int4`` (opt-in
+    weight-only int8, or int4 in groups of 32, for the native models' linear layers on CPU in
+    bfloat16; see layers/quantization.py and layers/int4.py).
     """
 
     model: str = "smollm2-135m"

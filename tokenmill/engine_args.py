@@ -122,8 +122,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="opt-in weight-only int8 linear layers (CPU, bfloat16); see docs/performance.md for its quality",
+        choices=["int8", "int4"],
+        help="opt-in weight-only int8 or int4 (groups of 32) linear layers (CPU, bfloat16); see "
+        "docs/performance.md for speed and quality",
     )
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine")
     cache = parser.add_argument_group("KV cache")

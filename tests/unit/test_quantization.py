@@ -59,8 +59,8 @@ def test_small_and_large_batches_compute_with_the_same_weights() -> None:
 def test_check_quantization_errors() -> None:
     check_quantization(None, torch.float32, torch.device("cpu"))
     check_quantization("int8", BF16, torch.device("cpu"))
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-        check_quantization("int4", BF16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        check_quantization("int3", BF16, torch.device("cpu"))
     with pytest.raises(ValueError, match="needs dtype bfloat16 on CPU"):
         check_quantization("int8", torch.float32, torch.device("cpu"))
 

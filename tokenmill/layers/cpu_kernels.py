@@ -1,6 +1,7 @@
 """Builds, caches and loads the C++ CPU kernels (``tokenmill/csrc``): paged decode attention and the
-KV write (used by ``layers/attention/cpu_paged.py``), and the fused norm / rotary / activation /
-argmax ops that ``tokenmill.layers.fused_cpu`` dispatches to.
+KV write (used by ``layers/attention/cpu_paged.py``), the fused norm / rotary / activation /
+argmax ops that ``tokenmill.layers.fused_cpu`` dispatches to, and the int4 linear layer of
+``tokenmill.layers.int4``.
 
 The kernels are compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
 (``-march=native``), into ``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the
@@ -24,7 +25,7 @@ from tokenmill.config import extension_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp"]
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp", CSRC / "int4_gemm_cpu.cpp"]
 HEADERS = [CSRC / "vec16.h"]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
@@ -102,6 +103,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokenmill::silu_and_mul")
     def _silu(x):  # type: ignore[no-untyped-def]
         return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("tokenmill::int4_linear")
+    def _int4_linear(x, packed, scales, mins):  # type: ignore[no-untyped-def]
+        return x.new_empty((x.shape[0], packed.shape[0]))
+
+    @torch.library.register_fake("tokenmill::int4_dequantize")
+    def _int4_dequantize(packed, scales, mins):  # type: ignore[no-untyped-def]
+        return packed.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.bfloat16)
 
 
 def paged_attention_decode(

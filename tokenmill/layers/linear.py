@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
 
@@ -29,9 +30,10 @@ def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 class LinearBase(nn.Module):
     """A weight ``[out_features, in_features]`` and optional bias; ``forward`` is ``x @ W.T + b``.
 
-    After loading, ``quantize_weights("int8")`` (opt-in) replaces the weight by its int8 rounding and
-    keeps the int8 copy for small batches; ``prepare_for_inference`` may keep a CPU-packed copy of the
-    weight (bfloat16 on oneDNN builds). Both must be called again whenever the weight changes.
+    After loading, ``quantize_weights("int8" | "int4")`` (opt-in) replaces the weight by its quantized
+    rounding and keeps the quantized copy for small batches; ``prepare_for_inference`` may keep a
+    CPU-packed copy of the weight (bfloat16 on oneDNN builds). Both must be called again whenever the
+    weight changes.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -45,18 +47,28 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.int8_weight: torch.Tensor | None = None  # [out_features, in_features] int8
         self.int8_scales: torch.Tensor | None = None  # [out_features]
+        self.int4_weight: Int4Weight | None = None
 
-    def quantize_weights(self, kind: str) -> None:
-        """Weight-only quantization (``int8``, see layers/quantization.py); the float weight becomes the
-        dequantized one so every path computes with the same values."""
+    def quantize_weights(self, kind: str) -> str | None:
+        """Weight-only quantization (``int8``: layers/quantization.py, ``int4``: layers/int4.py); the
+        float weight becomes the dequantized one so every path computes with the same values. Returns
+        None, or why this layer keeps its weights (int4 needs ``in_features`` divisible by 32)."""
+        if kind == "int4":
+            self.int4_weight, dequantized, reason = quantize_int4_weight(self.weight.data)
+            if dequantized is not None:
+                self.weight.data.copy_(dequantized)
+            return reason
         assert kind == "int8", kind
         self.int8_weight, self.int8_scales = quantize_int8_rows(self.weight.data)
         self.weight.data.copy_(dequantize_int8_rows(self.int8_weight, self.int8_scales))
+        return None
 
     def prepare_for_inference(self) -> None:
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int4_weight is not None and self.int4_weight.takes(x):
+            return self.int4_weight.linear(x, bias)
         if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):
             return int8_linear(x, self.int8_weight, self.int8_scales, bias)
         if self.packed_weight is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0]:

@@ -1,4 +1,7 @@
-"""Weight-only int8 quantization for CPU linear layers (opt-in: ``--quantization int8``).
+"""Weight-only quantization for CPU linear layers (opt-in: ``--quantization int8`` or ``int4``).
+
+This module checks the choice and holds int8; int4 (groups of 32 with a scale and a minimum, our own
+kernel) is in layers/int4.py.
 
 Each output row of a weight gets one symmetric scale (``max |w| / 127``) and int8 values. Decoding
 one or a few sequences is a stream over the weights, so halving their bytes nearly halves the time of
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 # Up to this many rows a step uses the int8 kernel; above it the bfloat16 GEMM is faster.
 INT8_MAX_ROWS = 16

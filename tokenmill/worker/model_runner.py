@@ -130,16 +130,20 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def _quantize(self, kind: str | None) -> int:
-        """Quantize every layer that supports it; returns how many did (0 without quantization)."""
+        """Quantize every layer that supports it; returns how many did (0 without quantization). A
+        layer whose shape the format cannot hold keeps its weights, with a log line saying so."""
         check_quantization(kind, self.dtype, self.device)
         if kind is None:
             return 0
         count = 0
-        for module in self.model.modules():
+        for name, module in self.model.named_modules():
             quantize = getattr(module, "quantize_weights", None)
             if quantize is not None:
-                quantize(kind)
-                count += 1
+                skipped = quantize(kind)
+                if skipped is None:
+                    count += 1
+                else:
+                    logger.info("%s keeps its %s weights (not %s): %s", name, self.dtype, kind, skipped)
         return count
 
     # ------------------------------------------------------------------ one step

@@ -1,0 +1,94 @@
+"""Small-batch linear layers on CPU: our int4 kernel vs oneDNN's packed bfloat16 vs torch's int8.
+
+For SmolLM2-135M's shapes and 1..64 input rows, prints microseconds per call and the rate at which
+each kernel streams its own weight format (GB/s of packed int4 with its scales, of bfloat16, of int8
+with its row scales). Each shape is measured over enough DISTINCT weights that the int4 copies alone
+exceed ``--working-set-mb`` (a single weight reused in a loop stays in the caches and overstates the
+rate), cycling through them like a model's layers. The rows at which oneDNN overtakes the int4 kernel
+set ``INT4_MAX_ROWS`` in tokenmill/layers/int4.py.
+
+    .venv/bin/python benchmarks/int4_gemv.py [--rows 1 2 4 8 16 32 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.layers.cpu_gemm import pack_weight, packed_linear
+from tokenmill.layers.int4 import int4_linear, quantize_int4
+
+SHAPES = {
+    "qkv 576->960": (960, 576),
+    "o 576->576": (576, 576),
+    "gate_up 576->3072": (3072, 576),
+    "down 1536->576": (576, 1536),
+    "lm head 576->49152": (49152, 576),
+}
+
+
+def time_per_call(calls: list[Callable[[], torch.Tensor]], repeats: int) -> float:
+    """Best over ``repeats`` passes of the mean seconds per call of one pass through ``calls``."""
+    for call in calls[: min(len(calls), 8)]:
+        call()  # warm-up (first-call allocations)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        best = min(best, (time.perf_counter() - start) / len(calls))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--working-set-mb", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    print(f"{args.threads} threads; per call: microseconds, GB/s of the kernel's own weight format")
+    print(f"{'shape':<20} {'rows':>4}  {'int4 (ours)':>16}  {'oneDNN bf16':>16}  {'int8pack_mm':>16}")
+    for name in args.shapes:
+        out_features, in_features = SHAPES[name]
+        int4_bytes = out_features * in_features * (0.5 + 4 / 32)  # nibbles + f16 scale and min per 32
+        copies = max(2, math.ceil(args.working_set_mb * 1e6 / int4_bytes))
+        int4_weights, bf16_packed, int8_weights = [], [], []
+        for _ in range(copies):
+            weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.05
+            int4_weights.append(quantize_int4(weight))
+            bf16_packed.append(pack_weight(weight))
+            scales = (weight.float().abs().amax(dim=1) / 127).to(torch.bfloat16)  # [out_features]
+            qweight = torch.round(weight.float() / scales.float()[:, None]).to(torch.int8)  # [out, in]
+            int8_weights.append((qweight, scales))
+        sizes = {
+            "int4": int4_bytes,
+            "bf16": out_features * in_features * 2,
+            "int8": out_features * (in_features + 2),
+        }
+        for rows in args.rows:
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)  # [rows, in_features]
+            kernels: dict[str, list[Callable[[], torch.Tensor]]] = {
+                "int4": [lambda q=q, x=x: int4_linear(x, *q, None) for q in int4_weights],
+                "bf16": [lambda p=p, x=x: packed_linear(x, p, None) for p in bf16_packed],
+                "int8": [lambda w=w, x=x: torch._weight_int8pack_mm(x, *w) for w in int8_weights],
+            }
+            cells = []
+            for kind, calls in kernels.items():
+                seconds = time_per_call(calls, args.repeats)
+                cells.append(f"{seconds * 1e6:7.1f} us {sizes[kind] / seconds / 1e9:4.1f}")
+            print(f"{name:<20} {rows:>4}  " + "  ".join(f"{cell:>16}" for cell in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Weight-only int4 in groups of 32 (opt-in: ``--quantization int4``), with our own CPU kernel.
+
+Format (the asymmetric one of GGUF's Q4_1): a weight ``[out, in]`` is cut into groups of 32
+consecutive input features; each group has a float16 scale ``d`` and minimum ``m`` (tensors
+``[out, in / 32]``) and 4-bit values ``q`` in 0..15 standing for ``d * q + m``. The 32 values of a
+group are packed in 16 bytes: byte ``j`` holds element ``j`` in its low nibble and element ``j + 16``
+in its high nibble. That is 4.5 bits per weight, 3.6x fewer bytes than bfloat16, and decoding a few
+sequences is a stream over the weights.
+
+``int4_linear`` (``csrc/int4_gemm_cpu.cpp``) multiplies up to a few rows by such a weight, reading
+each packed byte once per call; ``int4_dequantize`` gives the bfloat16 weight it computes with
+(``round_bf16(d * q + m)``, exact in float32 before the rounding), which larger batches multiply with
+oneDNN's bfloat16 GEMM, so every batch size computes with the same weight values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.layers.cpu_kernels import load_error
+
+GROUP_SIZE = 32
+
+# Up to this many rows a step uses the int4 kernel; above it the packed bfloat16 GEMM on the
+# dequantized weight is faster. The kernel's time grows with the rows (one bfloat16 dot-product
+# instruction per row and group) while oneDNN's stays at its streaming time: on SmolLM2's shapes
+# they cross between 8 and 16 rows (benchmarks/int4_gemv.py, docs/performance.md).
+INT4_MAX_ROWS = 8
+
+_FLOAT16_MAX = 65504.0
+# The kernel keeps one weight row's scales and minimums in float32 on the stack (kMaxGroups groups).
+MAX_IN_FEATURES = 1024 * GROUP_SIZE
+
+
+def int4_supported(weight: torch.Tensor) -> str | None:
+    """None when ``weight`` ``[out, in]`` can be stored as int4, else why not (for the load log)."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+        return f"in_features {weight.shape[-1]} is not a multiple of {GROUP_SIZE}"
+    if weight.shape[1] > MAX_IN_FEATURES:
+        return f"in_features {weight.shape[1]} is above the kernel's {MAX_IN_FEATURES}"
+    largest = float(weight.abs().max())
+    if not largest <= _FLOAT16_MAX:  # also NaN
+        return "values exceed the float16 range of the scales (or are not finite)"
+    return None
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed [out, in/2] uint8, scales [out, in/32] float16, mins [out, in/32] float16)``.
+
+    Per group: ``m`` is the group's minimum (rounded to float16), ``d = (max - m) / 15`` (rounded to
+    float16), ``q = round((w - m) / d)`` clamped to 0..15. A constant group gets ``d = 0`` and ``q = 0``
+    (every value is ``m``). ``in_features`` must be a multiple of 32 (see :func:`int4_supported`).
+    """
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)  # [out, G, 32]
+    mins = groups.amin(dim=2).to(torch.float16)  # [out, G]
+    scales = ((groups.amax(dim=2) - mins.float()) / 15.0).to(torch.float16)  # [out, G]
+    # Divide by the rounded scale: the values are rebuilt from it.
+    step = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
+    q = torch.round((groups - mins.float()[..., None]) / step[..., None]).clamp(0, 15)  # [out, G, 32]
+    q = torch.where(scales[..., None] > 0, q, torch.zeros_like(q)).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # [out, G, 16]
+    return packed.reshape(out_features, in_features // 2), scales, mins
+
+
+def dequantize_int4_reference(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The weight ``[out, in]`` in bfloat16 from torch ops (the formula the kernel uses, for tests)."""
+    out_features = packed.shape[0]
+    groups = packed.reshape(out_features, -1, GROUP_SIZE // 2)  # [out, G, 16]
+    q = torch.cat([groups & 0x0F, groups >> 4], dim=2).float()  # [out, G, 32]
+    values = q * scales.float()[..., None] + mins.float()[..., None]  # q * d is exact in float32
+    return values.to(torch.bfloat16).reshape(out_features, -1)
+
+
+def _require_kernel() -> None:
+    """RuntimeError when the C++ kernels cannot be built or loaded (``load_error`` caches the build)."""
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"quantization 'int4' needs the C++ CPU kernels, which are unavailable: {error}")
+
+
+def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 weight ``[out, in]`` that :func:`int4_linear` computes with (kernel op)."""
+    _require_kernel()
+    return torch.ops.tokenmill.int4_dequantize(packed, scales, mins)
+
+
+def int4_linear(
+    x: torch.Tensor,  # [rows, in_features] bfloat16
+    packed: torch.Tensor,  # [out_features, in_features / 2] uint8
+    scales: torch.Tensor,  # [out_features, in_features / 32] float16
+    mins: torch.Tensor,  # [out_features, in_features / 32] float16
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for the int4 weight ``W`` (float32 accumulation); ``[rows, out_features]``."""
+    _require_kernel()
+    out = torch.ops.tokenmill.int4_linear(x, packed, scales, mins)  # [rows, out_features]
+    return out if bias is None else out + bias
+
+
+@dataclass
+class Int4Weight:
+    """One layer's int4 weight (see the module docstring for the format)."""
+
+    packed: torch.Tensor  # [out_features, in_features / 2] uint8
+    scales: torch.Tensor  # [out_features, in_features / 32] float16
+    mins: torch.Tensor  # [out_features, in_features / 32] float16
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the int4 kernel: 2-D bfloat16 with 1 to ``INT4_MAX_ROWS`` rows."""
+        return x.dim() == 2 and 0 < x.shape[0] <= INT4_MAX_ROWS and x.dtype == torch.bfloat16
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` with the int4 kernel; ``[rows, out_features]``. (An ``Int4Weight`` exists
+        only once the kernels have loaded, so this skips :func:`int4_linear`'s check: it runs 121 times
+        per decode step of SmolLM2.)"""
+        out = torch.ops.tokenmill.int4_linear(x, self.packed, self.scales, self.mins)  # [rows, out_features]
+        return out if bias is None else out + bias
+
+
+def quantize_int4_weight(
+    weight: torch.Tensor,
+) -> tuple[Int4Weight | None, torch.Tensor | None, str | None]:
+    """``(int4 weight, the bfloat16 weight it computes with, None)`` for a supported ``weight``
+    ``[out, in]``, else ``(None, None, why not)``. Raises RuntimeError when the kernels cannot be built
+    (int4 has no slow fallback)."""
+    reason = int4_supported(weight)
+    if reason is not None:
+        return None, None, reason
+    packed, scales, mins = quantize_int4(weight)
+    return Int4Weight(packed, scales, mins), int4_dequantize(packed, scales, mins), None

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -85,22 +84,6 @@ def make_socket_dir() -> str:
     return tempfile.mkdtemp(prefix="tokenmill-")
 
 
-def engine_environment(parent: Mapping[str, str]) -> dict[str, str]:
-    """The engine process's environment: the server's, with OpenMP's idle threads sleeping rather than
-    spinning (``OMP_WAIT_POLICY=PASSIVE``) unless the user chose a policy.
-
-    The engine shares the machine's cores with the API server process that streams its tokens. A
-    spinning OpenMP thread keeps its core while it waits at a barrier, so when the API server wakes,
-    it preempts a *working* engine thread and the whole parallel region waits for that thread to be
-    scheduled again; a sleeping thread gives its core to the API server instead. Measured on 2 cores
-    with one competing busy process: a 128-row RMSNorm over 2 threads took 1.1-4.7 ms spinning and
-    70-90 us passive.
-    """
-    environment = dict(parent)
-    environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return environment
-
-
 def spawn_engine_process(
     config: EngineConfig, socket_dir: str, log_level: str = "INFO"
 ) -> EngineProcessHandle:
@@ -126,7 +109,7 @@ def spawn_engine_process(
         "--log-level",
         log_level,
     ]
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=engine_environment(os.environ))
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     return EngineProcessHandle(process, input_address, output_address, socket_dir)
 
 

@@ -82,9 +82,12 @@ class ModelConfig:
     takes the model's own limit. ``model_impl`` chooses the model code: ``native`` (ours; an
     architecture we lack is a ValueError), ``transformers`` (transformers' modelling code over our
     paged KV cache, for any architecture it can route), ``auto`` (native when we have it, else
-    transformers). ``quantization`` is None (weights as loaded), ``int8`` or ``int4`` (opt-in
-    weight-only int8, or int4 in groups of 32, for the native models' linear layers on CPU in
-    bfloat16; see layers/quantization.py and layers/int4.py).
+    transformers). ``quantization`` is None (weights as loaded: on CPU in bfloat16, the linear layers
+    of a GGUF whose values are exactly 4-bit groups, as Q4_0/Q4_1 files hold them, keep that int4 copy
+    for small steps, which computes with the same values; lossless, so not a quantization), ``none``
+    (weights as loaded, never int4), ``int8`` or ``int4`` (opt-in weight-only int8, or int4 in groups
+    of 32, for the native models' linear layers on CPU in bfloat16; see layers/quantization.py and
+    layers/int4.py).
     """
 
     model: str = "smollm2-135m"

@@ -122,9 +122,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "none"],
         help="opt-in weight-only int8 or int4 (groups of 32) linear layers (CPU, bfloat16); see "
-        "docs/performance.md for speed and quality",
+        "docs/performance.md for speed and quality. Unset, a GGUF's exactly 4-bit layers use the int4 "
+        "kernel (same values, lossless); none turns that off",
     )
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine")
     cache = parser.add_argument_group("KV cache")

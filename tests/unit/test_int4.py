@@ -226,3 +226,54 @@ def test_the_runner_counts_quantized_layers_and_logs_each_one_left_alone(
         in caplog.text
     )
     assert "fits keeps" not in caplog.text
+
+
+def test_exactly_4bit_layers_get_the_kernel_by_default_and_nothing_else_changes(
+    tiny_model,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model whose linear weights are exactly 4-bit groups (as a Q4_1 GGUF's are) runs them on the
+    int4 kernel without being asked, with the same tokens as with ``quantization="none"``; a model
+    whose weights are not on such a grid keeps them, and so does ``none``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill import LLM, SamplingParams
+
+    source = tiny_model("qwen3").path
+    weights = load_file(f"{source}/model.safetensors")
+    on_grid = {}
+    for name, tensor in weights.items():
+        if name.endswith("proj.weight") and tensor.shape[1] % 32 == 0:
+            # Round to int4 groups until rounding changes nothing (2 rounds here): a weight that a
+            # 4-bit format holds exactly, as a Q4_1 GGUF's layers are.
+            for _ in range(5):
+                rounded = dequantize_int4_reference(*quantize_int4(tensor)).float()
+                if torch.equal(rounded, tensor):
+                    break
+                tensor = rounded
+            assert torch.equal(dequantize_int4_reference(*quantize_int4(tensor)).float(), tensor)
+        on_grid[name] = tensor
+    folder = tmp_path / "on-grid"
+    shutil.copytree(source, folder)
+    save_file(on_grid, str(folder / "model.safetensors"))
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [7, 8, 9, 10, 11]}, {"prompt_token_ids": [20, 30, 40]}]
+
+    def tokens(path: str, **kwargs: str) -> list[list[int]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tokenmill.worker.model_runner"):
+            llm = LLM(path, dtype="bfloat16", num_blocks=32, enable_prefix_caching=False, **kwargs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    exact = tokens(str(folder))
+    # 2 layers x (qkv, o, gate_up, down)
+    assert "the int4 kernel on 8 exactly 4-bit layers (lossless)" in caplog.text
+    assert tokens(str(folder), quantization="none") == exact
+    assert "exactly 4-bit" not in caplog.text
+    tokens(source)
+    assert "exactly 4-bit" not in caplog.text

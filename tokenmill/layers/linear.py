@@ -27,6 +27,13 @@ def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
     return tensor.narrow(dim, tp_rank * part, part)
 
 
+def _first_row_is_int4(weight: torch.Tensor) -> bool:
+    """Whether row 0 of ``weight`` ``[out, in]`` survives int4 groups unchanged (a quick screen: a
+    weight that was not loaded from 4-bit groups fails it at once)."""
+    _, dequantized, reason = quantize_int4_weight(weight[:1])
+    return reason is None and dequantized is not None and torch.equal(dequantized, weight[:1])
+
+
 class LinearBase(nn.Module):
     """A weight ``[out_features, in_features]`` and optional bias; ``forward`` is ``x @ W.T + b``.
 
@@ -49,15 +56,25 @@ class LinearBase(nn.Module):
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None
 
-    def quantize_weights(self, kind: str) -> str | None:
+    def quantize_weights(self, kind: str, lossless_only: bool = False) -> str | None:
         """Weight-only quantization (``int8``: layers/quantization.py, ``int4``: layers/int4.py); the
         float weight becomes the dequantized one so every path computes with the same values. Returns
-        None, or why this layer keeps its weights (int4 needs ``in_features`` divisible by 32)."""
+        None, or why this layer keeps its weights (int4 needs ``in_features`` divisible by 32).
+
+        ``lossless_only`` (int4): keep the int4 copy only if it holds exactly the current weight (a
+        weight loaded from 4-bit groups), leaving the weight untouched; otherwise change nothing.
+        """
         if kind == "int4":
-            self.int4_weight, dequantized, reason = quantize_int4_weight(self.weight.data)
-            if dequantized is not None:
-                self.weight.data.copy_(dequantized)
-            return reason
+            if lossless_only and not _first_row_is_int4(self.weight.data):
+                return "its values are not exactly 4-bit groups"  # cheap test before the whole weight
+            int4_weight, dequantized, reason = quantize_int4_weight(self.weight.data)
+            if reason is not None or dequantized is None:
+                return reason
+            if lossless_only and not torch.equal(dequantized, self.weight.data):
+                return "its values are not exactly 4-bit groups"
+            self.int4_weight = int4_weight
+            self.weight.data.copy_(dequantized)
+            return None
         assert kind == "int8", kind
         self.int8_weight, self.int8_scales = quantize_int8_rows(self.weight.data)
         self.weight.data.copy_(dequantize_int8_rows(self.int8_weight, self.int8_scales))

@@ -23,11 +23,12 @@ INT8_MAX_ROWS = 16
 
 
 def check_quantization(kind: str | None, dtype: torch.dtype, device: torch.device) -> None:
-    """ValueError unless ``kind`` is None or a supported quantization for this dtype and device."""
-    if kind is None:
+    """ValueError unless ``kind`` is None, ``none`` or a supported quantization for this dtype and
+    device."""
+    if kind is None or kind == "none":
         return
     if kind not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {kind!r}; choose one of {QUANTIZATIONS}")
+        raise ValueError(f"unknown quantization {kind!r}; choose one of {('none', *QUANTIZATIONS)}")
     if device.type != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"quantization {kind!r} needs dtype bfloat16 on CPU, got {dtype} on {device.type}")
 

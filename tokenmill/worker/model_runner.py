@@ -13,6 +13,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.layers.cpu_kernels import load_error
+from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
@@ -77,6 +79,7 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized = self._quantize(config.model.quantization)
+            exact_int4 = self._keep_exact_int4() if config.model.quantization is None else 0
             for module in self.model.modules():
                 prepare = getattr(module, "prepare_for_inference", None)
                 if prepare is not None:
@@ -84,6 +87,8 @@ class ModelRunner:
             description = f"native {model_class.__name__}" + (
                 f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
             )
+            if exact_int4:
+                description += f", the int4 kernel on {exact_int4} exactly 4-bit layers (lossless)"
         logger.info(
             "model %s (%s implementation: %s, %s) ready in %.1f s",
             source.name,
@@ -133,7 +138,7 @@ class ModelRunner:
         """Quantize every layer that supports it; returns how many did (0 without quantization). A
         layer whose shape the format cannot hold keeps its weights, with a log line saying so."""
         check_quantization(kind, self.dtype, self.device)
-        if kind is None:
+        if kind is None or kind == "none":
             return 0
         count = 0
         for name, module in self.model.named_modules():
@@ -144,6 +149,20 @@ class ModelRunner:
                     count += 1
                 else:
                     logger.info("%s keeps its %s weights (not %s): %s", name, self.dtype, kind, skipped)
+        return count
+
+    def _keep_exact_int4(self) -> int:
+        """On CPU in bfloat16, give the int4 kernel to every linear layer whose loaded values are
+        exactly 4-bit groups (a Q4_0 / Q4_1 GGUF's layers, also through the converted-GGUF cache; any
+        other weight fails a one-row screen at once): small steps then stream a quarter of the
+        bytes and compute with the same weight values, so nothing is lost. Returns how many layers;
+        0 when the kernels are unavailable (then nothing changes: this is not an opt-in mode)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or load_error() is not None:
+            return 0
+        count = 0
+        for module in self.model.modules():
+            if isinstance(module, LinearBase) and module.quantize_weights("int4", lossless_only=True) is None:
+                count += 1
         return count
 
     # ------------------------------------------------------------------ one step

@@ -70,10 +70,12 @@ class LinearBase(nn.Module):
             int4_weight, dequantized, reason = quantize_int4_weight(self.weight.data)
             if reason is not None or dequantized is None:
                 return reason
-            if lossless_only and not torch.equal(dequantized, self.weight.data):
-                return "its values are not exactly 4-bit groups"
+            if lossless_only:
+                if not torch.equal(dequantized, self.weight.data):
+                    return "its values are not exactly 4-bit groups"
+            else:
+                self.weight.data.copy_(dequantized)  # lossless: the weight already holds these values
             self.int4_weight = int4_weight
-            self.weight.data.copy_(dequantized)
             return None
         assert kind == "int8", kind
         self.int8_weight, self.int8_scales = quantize_int8_rows(self.weight.data)

@@ -12,9 +12,13 @@ from tokenmill.layers import int4 as int4_module
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.int4 import (
     INT4_MAX_ROWS,
+    METHOD_ROWS,
+    METHOD_TILES,
     dequantize_int4_reference,
     int4_dequantize,
+    int4_has_tiles,
     int4_linear,
+    int4_max_rows,
     quantize_int4,
 )
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
@@ -88,26 +92,50 @@ def test_dequantize_op_is_bit_identical_to_the_torch_formula(shape: tuple[int, i
     assert torch.equal(dequantized, rebuilt.to(BF16))
 
 
+# Row counts around the kernels' boundaries: the row kernel's passes of 16, the tile kernel's row blocks
+# of 16 and passes of 4 blocks (64 rows), and the auto choice at 6 rows.
+ROW_COUNTS = [*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 130]
+METHODS = [0, METHOD_ROWS, METHOD_TILES] if int4_has_tiles() else [0, METHOD_ROWS]
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("shape", [(960, 576), (37, 64), (1, 32), (576, 1536)])
-def test_kernel_equals_the_product_with_the_dequantized_weight(shape: tuple[int, int]) -> None:
+def test_kernel_equals_the_product_with_the_dequantized_weight(shape: tuple[int, int], method: int) -> None:
     out_features, in_features = shape
     weight = torch.randn(shape, dtype=BF16) / in_features**0.5
     packed, scales, mins = quantize_int4(weight)
     dequantized = int4_dequantize(packed, scales, mins).float()  # [out, in]
-    x_all = torch.randn(INT4_MAX_ROWS + 3, in_features, dtype=BF16)
-    for rows in [*range(1, INT4_MAX_ROWS + 1), INT4_MAX_ROWS + 3]:
+    x_all = torch.randn(max(ROW_COUNTS), in_features, dtype=BF16)
+    for rows in ROW_COUNTS:
         x = x_all[:rows]
         expected = (x.float() @ dequantized.T).to(BF16).float()  # [rows, out]
-        got = int4_linear(x, packed, scales, mins, None)
+        got = int4_linear(x, packed, scales, mins, None, method)
         assert got.dtype == BF16 and got.shape == (rows, out_features)
         # Float32 accumulation in another order, then one bfloat16 rounding each: 1 ulp of bf16 apart.
         assert torch.allclose(got.float(), expected, rtol=2**-7, atol=1e-5), rows
     # A strided view of rows (contiguous features), and a bias.
     wide = torch.randn(3, in_features * 2, dtype=BF16)
     bias = torch.randn(out_features, dtype=BF16)
-    got = int4_linear(wide[:, :in_features], packed, scales, mins, bias).float()
+    got = int4_linear(wide[:, :in_features], packed, scales, mins, bias, method).float()
     expected = wide[:, :in_features].float() @ dequantized.T + bias.float()
     assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_tile_kernel_is_used_where_amx_is_granted_and_refused_elsewhere() -> None:
+    packed, scales, mins = quantize_int4(torch.randn(16, 64, dtype=BF16))
+    x = torch.randn(8, 64, dtype=BF16)
+    if int4_has_tiles():
+        assert int4_max_rows() == 128
+        rows_kernel = int4_linear(x, packed, scales, mins, None, METHOD_ROWS)
+        tiles = int4_linear(x, packed, scales, mins, None, METHOD_TILES)
+        assert torch.equal(int4_linear(x, packed, scales, mins, None), tiles)  # auto picks tiles at 8 rows
+        assert torch.equal(int4_linear(x[:1], packed, scales, mins, None), rows_kernel[:1])  # rows at 1
+    else:
+        assert int4_max_rows() == INT4_MAX_ROWS
+        with pytest.raises(RuntimeError, match="the int4 tile path needs AMX"):
+            int4_linear(x, packed, scales, mins, None, METHOD_TILES)
+    with pytest.raises(RuntimeError, match="method must be 0"):
+        int4_linear(x, packed, scales, mins, None, 3)
 
 
 def test_kernel_rejects_bad_shapes() -> None:
@@ -131,7 +159,7 @@ def test_layers_use_the_kernel_for_small_batches_and_the_same_weights_for_large(
     int4 = layer.int4_weight
     assert torch.equal(layer.weight.data, dequantize_int4_reference(int4.packed, int4.scales, int4.mins))
     assert not torch.equal(layer.weight.data, original)
-    x = torch.randn(INT4_MAX_ROWS + 8, 128, dtype=BF16)
+    x = torch.randn(int4_max_rows() + 8, 128, dtype=BF16)
     large = layer(x).float()  # oneDNN bfloat16 GEMM on the dequantized weight
     small = layer(x[:4]).float()  # the int4 kernel
     assert torch.allclose(small, large[:4], rtol=2e-2, atol=2e-2)
@@ -201,7 +229,7 @@ def test_engine_int4_gives_the_same_greedy_tokens_alone_and_in_a_large_batch(
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = [7, 8, 9, 10, 11]
     alone = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    others = [{"prompt_token_ids": [20 + i, 30 + i, 40 + i]} for i in range(INT4_MAX_ROWS + 8)]
+    others = [{"prompt_token_ids": [20 + i % 100, 30, 40 + i % 7]} for i in range(int4_max_rows() + 8)]
     batch = llm.generate([{"prompt_token_ids": prompt}, *others], params, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
 

@@ -105,7 +105,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
     @torch.library.register_fake("tokenmill::int4_linear")
-    def _int4_linear(x, packed, scales, mins):  # type: ignore[no-untyped-def]
+    def _int4_linear(x, packed, scales, mins, method=0):  # type: ignore[no-untyped-def]
         return x.new_empty((x.shape[0], packed.shape[0]))
 
     @torch.library.register_fake("tokenmill::int4_dequantize")

@@ -7,15 +7,19 @@ group are packed in 16 bytes: byte ``j`` holds element ``j`` in its low nibble a
 in its high nibble. That is 4.5 bits per weight, 3.6x fewer bytes than bfloat16, and decoding a few
 sequences is a stream over the weights.
 
-``int4_linear`` (``csrc/int4_gemm_cpu.cpp``) multiplies up to a few rows by such a weight, reading
-each packed byte once per call; ``int4_dequantize`` gives the bfloat16 weight it computes with
-(``round_bf16(d * q + m)``, exact in float32 before the rounding), which larger batches multiply with
-oneDNN's bfloat16 GEMM, so every batch size computes with the same weight values.
+``int4_linear`` (``csrc/int4_gemm_cpu.cpp``) multiplies the rows of a step by such a weight, decoding
+each packed byte once per call: a row kernel (one bfloat16 dot product per row and group) for a few
+rows, and on CPUs with AMX a tile kernel (each decoded 16 x 32 weight tile multiplied with 16 rows
+per tile product) from ``kTilesFromRows`` rows. ``int4_dequantize`` gives the bfloat16 weight both
+compute with (``round_bf16(d * q + m)``, exact in float32 before the rounding), which steps above
+:func:`int4_max_rows` multiply with oneDNN's bfloat16 GEMM, so every batch size computes with the
+same weight values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,11 +27,17 @@ from tokenmill.layers.cpu_kernels import load_error
 
 GROUP_SIZE = 32
 
-# Up to this many rows a step uses the int4 kernel; above it the packed bfloat16 GEMM on the
-# dequantized weight is faster. The kernel's time grows with the rows (one bfloat16 dot-product
-# instruction per row and group) while oneDNN's stays at its streaming time: on SmolLM2's shapes
-# they cross between 8 and 16 rows (benchmarks/int4_gemv.py, docs/performance.md).
+# Up to this many rows a step uses the int4 kernels; above it the packed bfloat16 GEMM on the
+# dequantized weight is faster (benchmarks/int4_gemv.py, docs/performance.md). Without AMX only the
+# row kernel runs, whose time grows with the rows (one bfloat16 dot-product instruction per row and
+# group) while oneDNN's stays at its streaming time: on SmolLM2's shapes they cross between 8 and
+# 16 rows. The tile kernel decodes the weights once and multiplies 16 rows per tile product: it
+# stays ahead of oneDNN up to about 128 rows.
 INT4_MAX_ROWS = 8
+INT4_MAX_ROWS_WITH_TILES = 128
+
+# int4_linear's ``method``: 0 picks by the number of rows, 1 forces the row kernel, 2 the tile kernel.
+METHOD_AUTO, METHOD_ROWS, METHOD_TILES = 0, 1, 2
 
 _FLOAT16_MAX = 65504.0
 # The kernel keeps one weight row's scales and minimums in float32 on the stack (kMaxGroups groups).
@@ -81,6 +91,18 @@ def _require_kernel() -> None:
         raise RuntimeError(f"quantization 'int4' needs the C++ CPU kernels, which are unavailable: {error}")
 
 
+@functools.cache
+def int4_has_tiles() -> bool:
+    """Whether the tile (AMX) kernel runs here: the CPU has AMX and the OS grants it to the process."""
+    _require_kernel()
+    return bool(torch.ops.tokenmill.int4_has_tiles())
+
+
+def int4_max_rows() -> int:
+    """The most rows a step sends through the int4 kernels on this machine (see ``INT4_MAX_ROWS``)."""
+    return INT4_MAX_ROWS_WITH_TILES if int4_has_tiles() else INT4_MAX_ROWS
+
+
 def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """The bfloat16 weight ``[out, in]`` that :func:`int4_linear` computes with (kernel op)."""
     _require_kernel()
@@ -93,10 +115,12 @@ def int4_linear(
     scales: torch.Tensor,  # [out_features, in_features / 32] float16
     mins: torch.Tensor,  # [out_features, in_features / 32] float16
     bias: torch.Tensor | None,
+    method: int = METHOD_AUTO,
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` for the int4 weight ``W`` (float32 accumulation); ``[rows, out_features]``."""
+    """``x @ W.T + bias`` for the int4 weight ``W`` (float32 accumulation); ``[rows, out_features]``.
+    ``method`` forces a kernel (``METHOD_ROWS``, ``METHOD_TILES``: RuntimeError without AMX)."""
     _require_kernel()
-    out = torch.ops.tokenmill.int4_linear(x, packed, scales, mins)  # [rows, out_features]
+    out = torch.ops.tokenmill.int4_linear(x, packed, scales, mins, method)  # [rows, out_features]
     return out if bias is None else out + bias
 
 
@@ -107,10 +131,11 @@ class Int4Weight:
     packed: torch.Tensor  # [out_features, in_features / 2] uint8
     scales: torch.Tensor  # [out_features, in_features / 32] float16
     mins: torch.Tensor  # [out_features, in_features / 32] float16
+    max_rows: int = field(default_factory=int4_max_rows)
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the int4 kernel: 2-D bfloat16 with 1 to ``INT4_MAX_ROWS`` rows."""
-        return x.dim() == 2 and 0 < x.shape[0] <= INT4_MAX_ROWS and x.dtype == torch.bfloat16
+        """Whether ``x`` goes through the int4 kernels: 2-D bfloat16 with 1 to ``max_rows`` rows."""
+        return x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.bfloat16
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` with the int4 kernel; ``[rows, out_features]``. (An ``Int4Weight`` exists

@@ -20,7 +20,13 @@ from tokenmill.sample.logits_processors import (
     apply_top_k_top_p,
     pad_token_ids,
 )
-from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, exponential_noise
+from tokenmill.sample.sampler import (
+    Sampler,
+    compute_prompt_logprobs,
+    row_uniforms,
+    sample_from_probs,
+    skip_draws,
+)
 from tokenmill.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -261,13 +267,33 @@ def test_seeded_row_is_reproducible_across_batches() -> None:
     assert len(set(alone)) > 3
 
 
-def test_exponential_noise_of_seeded_row_depends_only_on_generator() -> None:
+def test_the_uniform_of_a_seeded_row_depends_only_on_its_generator() -> None:
     torch.manual_seed(0)
-    a = exponential_noise(3, 16, {1: make_generator(5, CPU)}, CPU)
+    a = row_uniforms(3, {1: make_generator(5, CPU)}, CPU)
     torch.manual_seed(99)
-    b = exponential_noise(5, 16, {4: make_generator(5, CPU)}, CPU)
-    assert torch.equal(a[1], b[4])
-    assert torch.equal(a[1], torch.empty(16).exponential_(generator=make_generator(5, CPU)))
+    b = row_uniforms(5, {4: make_generator(5, CPU)}, CPU)
+    assert a.dtype == torch.float64 and a.shape == (3,) and b.shape == (5,)
+    assert float(a[1]) == float(b[4])
+    assert float(a[1]) == float(torch.rand(1, dtype=torch.float64, generator=make_generator(5, CPU)))
+    assert not torch.equal(a[[0, 2]], b[[0, 2]])  # unseeded rows come from the default generator
+    # Skipping n draws leaves the generator where n rows of draws leave it.
+    drawn, skipped = make_generator(5, CPU), make_generator(5, CPU)
+    for _ in range(3):
+        row_uniforms(1, {0: drawn}, CPU)
+    skip_draws(skipped, 3, CPU)
+    assert torch.equal(row_uniforms(1, {0: drawn}, CPU), row_uniforms(1, {0: skipped}, CPU))
+
+
+def test_inverse_transform_picks_the_token_whose_cumulative_interval_holds_the_draw() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25], [2.0, 0.0, 0.0, 0.0, 2.0]])  # row 1 unnormalized
+    cases = [(0.0, [1, 0]), (0.2499, [1, 0]), (0.25, [3, 0]), (0.4999, [3, 0]), (0.5, [3, 4]), (0.75, [4, 4])]
+    for u, expected in cases:
+        tokens = sample_from_probs(probs, torch.tensor([u, u], dtype=torch.float64))
+        assert tokens.tolist() == expected, u
+    # Zero-probability tokens are never picked, whatever the draw.
+    draws = torch.rand(10_000, dtype=torch.float64)
+    picked = sample_from_probs(probs[:1].expand(10_000, -1), draws)
+    assert set(picked.tolist()) == {1, 3, 4}
 
 
 # ---------------------------------------------------------------- penalties

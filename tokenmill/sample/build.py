@@ -45,8 +45,8 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
-def draws_noise(params: SamplingParams) -> bool:
-    """Whether a row with these parameters draws sampling noise (greedy rows draw none)."""
+def draws_random(params: SamplingParams) -> bool:
+    """Whether a row with these parameters draws a random number when sampled (greedy rows draw none)."""
     return not _is_greedy(params)
 
 

@@ -20,8 +20,8 @@ from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
 from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
-from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_noise, make_generator
-from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_noise_draws
+from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_random, make_generator
+from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
 from tokenmill.structured.manager import GrammarBitmask
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch
@@ -205,7 +205,6 @@ class ModelRunner:
         grammar: GrammarBitmask | None,
     ) -> None:
         rows = []
-        vocab = logits.shape[-1]
         for entry in entries:
             generator = None
             if entry.seed is not None:
@@ -213,8 +212,8 @@ class ModelRunner:
                 if generator is None:
                     generator = make_generator(entry.seed, self.device)
                     self._generators[entry.request_id] = generator
-                if entry.skipped_draws and draws_noise(entry.sampling_params):
-                    skip_noise_draws(generator, entry.skipped_draws, vocab, self.device)
+                if entry.skipped_draws and draws_random(entry.sampling_params):
+                    skip_draws(generator, entry.skipped_draws, self.device)
             bitmask_row = None
             if grammar is not None and entry.request_id in grammar.rows:
                 bitmask_row = grammar.bitmask[grammar.rows[entry.request_id]]  # [words]

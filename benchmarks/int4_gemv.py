@@ -1,13 +1,15 @@
-"""Small-batch linear layers on CPU: our int4 kernel vs oneDNN's packed bfloat16 vs torch's int8.
+"""Small-batch linear layers on CPU: our int4 kernels vs oneDNN's packed bfloat16 vs torch's int8.
 
-For SmolLM2-135M's shapes and 1..64 input rows, prints microseconds per call and the rate at which
+For SmolLM2-135M's shapes and 1..128 input rows, prints microseconds per call and the rate at which
 each kernel streams its own weight format (GB/s of packed int4 with its scales, of bfloat16, of int8
-with its row scales). Each shape is measured over enough DISTINCT weights that the int4 copies alone
+with its row scales). int4 is measured twice: the row kernel (one dot product per row and group) and,
+where the CPU grants AMX, the tile kernel (16 rows per tile product). Each shape is measured over enough DISTINCT weights that the int4 copies alone
 exceed ``--working-set-mb`` (a single weight reused in a loop stays in the caches and overstates the
-rate), cycling through them like a model's layers. The rows at which oneDNN overtakes the int4 kernel
-set ``INT4_MAX_ROWS`` in tokenmill/layers/int4.py.
+rate), cycling through them like a model's layers. The rows at which the tiles overtake the row kernel
+set ``kTilesFromRows`` in csrc/int4_gemm_cpu.cpp, and those at which oneDNN overtakes the int4 kernels
+``INT4_MAX_ROWS`` / ``INT4_MAX_ROWS_WITH_TILES`` in tokenmill/layers/int4.py.
 
-    .venv/bin/python benchmarks/int4_gemv.py [--rows 1 2 4 8 16 32 64] [--threads 2]
+    .venv/bin/python benchmarks/int4_gemv.py [--rows 1 2 4 8 16 32 64 128] [--threads 2]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear
-from tokenmill.layers.int4 import int4_linear, quantize_int4
+from tokenmill.layers.int4 import METHOD_ROWS, METHOD_TILES, int4_has_tiles, int4_linear, quantize_int4
 
 SHAPES = {
     "qkv 576->960": (960, 576),
@@ -48,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--working-set-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=3)
@@ -58,7 +60,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     print(f"{args.threads} threads; per call: microseconds, GB/s of the kernel's own weight format")
-    print(f"{'shape':<20} {'rows':>4}  {'int4 (ours)':>16}  {'oneDNN bf16':>16}  {'int8pack_mm':>16}")
+    tiles = int4_has_tiles()
+    columns = ["int4 rows", *(["int4 tiles"] if tiles else []), "oneDNN bf16", "int8pack_mm"]
+    print(f"{'shape':<20} {'rows':>4}  " + "  ".join(f"{c:>16}" for c in columns))
     for name in args.shapes:
         out_features, in_features = SHAPES[name]
         int4_bytes = out_features * in_features * (0.5 + 4 / 32)  # nibbles + f16 scale and min per 32
@@ -72,17 +76,21 @@ def main() -> None:
             qweight = torch.round(weight.float() / scales.float()[:, None]).to(torch.int8)  # [out, in]
             int8_weights.append((qweight, scales))
         sizes = {
-            "int4": int4_bytes,
+            "int4 rows": int4_bytes,
+            "int4 tiles": int4_bytes,
             "bf16": out_features * in_features * 2,
             "int8": out_features * (in_features + 2),
         }
         for rows in args.rows:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)  # [rows, in_features]
             kernels: dict[str, list[Callable[[], torch.Tensor]]] = {
-                "int4": [lambda q=q, x=x: int4_linear(x, *q, None) for q in int4_weights],
+                "int4 rows": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_ROWS) for q in int4_weights],
+                "int4 tiles": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_TILES) for q in int4_weights],
                 "bf16": [lambda p=p, x=x: packed_linear(x, p, None) for p in bf16_packed],
                 "int8": [lambda w=w, x=x: torch._weight_int8pack_mm(x, *w) for w in int8_weights],
             }
+            if not tiles:
+                del kernels["int4 tiles"]
             cells = []
             for kind, calls in kernels.items():
                 seconds = time_per_call(calls, args.repeats)

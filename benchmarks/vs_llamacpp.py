@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(
-        f"{cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'no quantization'})"
+        f"{cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'default weights: lossless int4 on exactly 4-bit layers'})"
     )
     ours = tokenmill_offline(args)
     if not args.skip_server:

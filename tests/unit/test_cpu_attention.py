@@ -16,7 +16,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import attention, cpu_kernels
-from tokenmill.layers.attention import select_attention_backend, torch_ref
+from tokenmill.layers.attention import cpu_paged, select_attention_backend, torch_ref
 from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.worker.forward_batch import AttentionMetadata
@@ -152,8 +152,9 @@ def test_decode_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_odd_head_dim_small_blocks_and_mixed_prompt_chunks(dtype: torch.dtype, split_decodes: bool) -> None:
     """head_dim 24 (not a multiple of the 16-lane vectors), block_size 4 as the engine tests use,
-    and prompt chunks in the same step (they take the reference path; their rows must be untouched),
-    after the decode rows (read as one slice) or between them (gathered)."""
+    and prompt chunks in the same step (float32: they take the reference path, their rows must be
+    untouched; float16: every row goes through the kernel as a decode of its own), after the decode
+    rows (read as one slice) or between them (gathered)."""
     expected, actual, ref_cache, cpu_cache = run_both(
         4,
         2,
@@ -167,6 +168,69 @@ def test_odd_head_dim_small_blocks_and_mixed_prompt_chunks(dtype: torch.dtype, s
     )
     assert torch.equal(ref_cache, cpu_cache)
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("split_decodes", [False, True], ids=["decodes-first", "chunks-between"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_prompt_chunks_attend_through_the_kernel_as_decodes(
+    dtype: torch.dtype, split_decodes: bool, window: int | None
+) -> None:
+    """Chunks of up to SHORT_CHUNK_MAX_QUERIES tokens (one starting its sequence, one over a long
+    cached prefix, one at the limit) run with the decodes as one kernel call, each row causal over
+    its own prefix: the same as the reference's gather + SDPA."""
+    chunks = ((0, 5), (300, 17), (40, cpu_paged.SHORT_CHUNK_MAX_QUERIES))
+    query, key, value, kv_cache, metadata = build_step(
+        [3, 70, 129],
+        chunks,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+        window=window,
+        split_decodes=split_decodes,
+    )
+    ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
+    expected = TorchPagedAttention(6, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
+    actual = CpuPagedAttention(6, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
+    assert metadata._rows_as_decodes is not None  # the one-call path ran
+    assert torch.equal(ref_cache, cpu_cache)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_a_longer_chunk_or_float32_keeps_the_reference_path() -> None:
+    for dtype, chunk in ((torch.bfloat16, cpu_paged.SHORT_CHUNK_MAX_QUERIES + 1), (torch.float32, 4)):
+        query, key, value, kv_cache, metadata = build_step(
+            [9], ((0, chunk),), num_heads=2, num_kv_heads=2, head_dim=64, dtype=dtype
+        )
+        ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
+        expected = TorchPagedAttention(2, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
+        actual = CpuPagedAttention(2, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
+        assert metadata._rows_as_decodes is None
+        torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_rows_as_decodes_gives_each_row_its_table_and_causal_length() -> None:
+    # Batch order: a decode at position 6, a 3-token chunk from 4, a decode at position 0 (block size 4).
+    _, _, _, _, metadata = build_step(
+        [7, 1],
+        ((4, 3),),
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.bfloat16,
+        block_size=4,
+        split_decodes=True,
+    )
+    tables, seq_lens = metadata.rows_as_decodes()
+    assert seq_lens.tolist() == [7, 5, 6, 7, 1]
+    decode_group, chunk_group = metadata.groups
+    assert decode_group.block_tables is not None and chunk_group.block_tables is not None
+    assert torch.equal(tables[0, :2], decode_group.block_tables[0])
+    assert torch.equal(tables[4, :1], decode_group.block_tables[1, :1])
+    for row in (1, 2, 3):
+        assert torch.equal(tables[row, :2], chunk_group.block_tables[0])
+    assert metadata.rows_as_decodes()[0] is tables  # built once per step
 
 
 def test_window_covers_only_the_last_positions() -> None:

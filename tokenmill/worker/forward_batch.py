@@ -73,6 +73,39 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     groups: list[AttentionGroup]
+    _rows_as_decodes: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def rows_as_decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query row of the step as a decode of its own, in row order: ``(block_tables [T,
+        max_blocks], seq_lens [T])``, where row ``t`` carries its sequence's block table and the length
+        up to and including its own token. Attention of each such row over its first ``seq_lens[t]``
+        positions is the causal attention of the step (its keys and values are stored first), so a
+        decode kernel can serve prompt chunks too. Built once per step (every layer shares it); needs
+        every group's ``spans``, ``block_tables`` and ``seq_lens`` (ValueError otherwise)."""
+        if self._rows_as_decodes is not None:
+            return self._rows_as_decodes
+        if any(g.spans is None or g.block_tables is None for g in self.groups):
+            raise ValueError("rows_as_decodes needs every group's spans and block tables")
+        num_rows = int(self.slot_mapping.shape[0])
+        width = max(int(g.block_tables.shape[1]) for g in self.groups if g.block_tables is not None)
+        device = self.slot_mapping.device
+        tables = torch.zeros(num_rows, width, dtype=torch.long, device=device)  # [T, max_blocks]
+        seq_lens = torch.zeros(num_rows, dtype=torch.long, device=device)  # [T]
+        for group in self.groups:
+            assert group.spans is not None and group.block_tables is not None
+            first_rows, starts, counts = (torch.tensor(c, dtype=torch.long) for c in zip(*group.spans))
+            owner = torch.repeat_interleave(
+                torch.arange(len(group.spans)), counts
+            )  # [n] sequence of each row
+            offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+                counts.cumsum(0) - counts, counts
+            )
+            rows = (first_rows[owner] + offset).to(device)  # [n]
+            group_tables = group.block_tables.index_select(0, owner.to(device))  # [n, group width]
+            tables[rows, : group_tables.shape[1]] = group_tables
+            seq_lens[rows] = (starts[owner] + offset + 1).to(device)
+        self._rows_as_decodes = (tables, seq_lens)
+        return self._rows_as_decodes
 
 
 @dataclass

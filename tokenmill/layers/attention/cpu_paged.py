@@ -1,8 +1,13 @@
-"""CPU paged attention: decode groups go through the fused C++ kernel, prompt chunks through the reference.
+"""CPU paged attention: decodes and short prompt chunks go through the fused C++ kernel, longer
+prompt chunks through the reference.
 
 A decode group (one new token per sequence) attends straight from the paged cache through its block
-tables, with no gather copy and no padded mask; prompt groups keep the reference's gather + SDPA,
-where the matmuls are large enough for SDPA to do well.
+tables, with no gather copy and no padded mask. A step whose prompt chunks are all short (at most
+``SHORT_CHUNK_MAX_QUERIES`` tokens, as a scheduler keeping steps short under a latency target cuts
+them), in bfloat16 or float16, runs every row through the kernel as a decode of its own (``rows_as_decodes``): the per-layer
+gather and SDPA call of a few-token chunk cost more than the attention itself, and the kernel reads
+the rows of one sequence together (they share their block table's chunks). Longer chunks keep the
+reference's gather + SDPA, where the matmuls are large enough for SDPA to do well.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, paged_attention_decode, w
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Prompt chunks of at most this many tokens attend through the decode kernel, one row per token. The
+# kernel does a row's arithmetic with vector FMAs, SDPA with matrix kernels, so SDPA wins on long
+# chunks over long contexts. Measured on a 2-core Xeon (bfloat16, SmolLM2's 9 / 3 heads of 64, four
+# decodes beside one chunk): over 1,024 cached positions the kernel takes 392 vs 737 us at 4 tokens
+# and breaks even at 32; over 256 positions 214 vs 379 us at 32 tokens, even between 64 and 128.
+SHORT_CHUNK_MAX_QUERIES = 32
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -31,8 +42,17 @@ class CpuPagedAttention(TorchPagedAttention):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """A step of decodes only (one group covering every row in order) returns the kernel's output
-        itself instead of copying it into a new tensor; anything else goes group by group."""
+        itself instead of copying it into a new tensor; so does a step whose prompt chunks are all
+        short (every row a decode of its own); anything else goes group by group."""
         groups = metadata.groups
+        has_chunks = any(g.num_queries > 1 for g in groups)
+        if has_chunks and all(self._kernel_takes_short_chunks(query, kv_cache, g) for g in groups):
+            self._store_kv(key, value, kv_cache, metadata.slot_mapping)
+            block_tables, seq_lens = metadata.rows_as_decodes()
+            window = groups[0].sliding_window
+            return paged_attention_decode(
+                query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window
+            )  # [num_tokens, num_heads, head_dim]
         if (
             len(groups) != 1
             or groups[0].first_row != 0
@@ -96,9 +116,25 @@ class CpuPagedAttention(TorchPagedAttention):
         else:
             super()._store_kv(key, value, kv_cache, slot_mapping)
 
-    def _kernel_handles(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> bool:
+    def _kernel_takes_short_chunks(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
+    ) -> bool:
+        """Whether ``group`` can join a step where every row attends as a decode of its own. Not in
+        float32: that is the mode checked against transformers to 1e-4, and SDPA's matrix kernels and
+        the decode kernel's vector loops round differently (a prompt logprob of a float32 MoE test
+        moved by 1.0e-4); float32 prompts keep the reference."""
         return (
-            group.num_queries == 1
+            group.num_queries <= SHORT_CHUNK_MAX_QUERIES
+            and query.dtype != torch.float32
+            and group.spans is not None
+            and self._kernel_handles(query, kv_cache, group, any_queries=True)
+        )
+
+    def _kernel_handles(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, any_queries: bool = False
+    ) -> bool:
+        return (
+            (any_queries or group.num_queries == 1)
             and group.block_tables is not None
             and group.seq_lens is not None
             and query.dtype == kv_cache.dtype

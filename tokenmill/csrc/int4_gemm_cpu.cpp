@@ -1,4 +1,6 @@
-// Weight-only int4 linear layer for small batches (decode), and the matching dequantization.
+// Weight-only int4 linear layer for steps of up to a hundred-odd rows (decode, short prompt chunks),
+// and the matching dequantization: a row kernel for a few rows, and where the CPU and the OS allow
+// AMX a tile kernel for more (its section below says how).
 //
 // Format (layers/int4.py writes it): a weight [out, in] in groups of 32 consecutive input features;
 // per group a float16 scale d and minimum m (tensors [out, in/32]) and 4-bit q in 0..15 with value
@@ -150,7 +152,6 @@ void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::
     }
   }
 }
-
 
 #ifdef TOKENMILL_INT4_AMX
 

@@ -81,7 +81,7 @@ class AttentionMetadata:
         up to and including its own token. Attention of each such row over its first ``seq_lens[t]``
         positions is the causal attention of the step (its keys and values are stored first), so a
         decode kernel can serve prompt chunks too. Built once per step (every layer shares it); needs
-        every group's ``spans``, ``block_tables`` and ``seq_lens`` (ValueError otherwise)."""
+        every group's ``spans`` and ``block_tables`` (ValueError otherwise)."""
         if self._rows_as_decodes is not None:
             return self._rows_as_decodes
         if any(g.spans is None or g.block_tables is None for g in self.groups):
@@ -94,12 +94,9 @@ class AttentionMetadata:
         for group in self.groups:
             assert group.spans is not None and group.block_tables is not None
             first_rows, starts, counts = (torch.tensor(c, dtype=torch.long) for c in zip(*group.spans))
-            owner = torch.repeat_interleave(
-                torch.arange(len(group.spans)), counts
-            )  # [n] sequence of each row
-            offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(
-                counts.cumsum(0) - counts, counts
-            )
+            firsts = counts.cumsum(0) - counts  # [S] index of each sequence's first row among the group's
+            owner = torch.repeat_interleave(torch.arange(len(group.spans)), counts)  # [n] each row's sequence
+            offset = torch.arange(int(counts.sum())) - firsts[owner]  # [n] each row's index in its chunk
             rows = (first_rows[owner] + offset).to(device)  # [n]
             group_tables = group.block_tables.index_select(0, owner.to(device))  # [n, group width]
             tables[rows, : group_tables.shape[1]] = group_tables

@@ -4,10 +4,11 @@ prompt chunks through the reference.
 A decode group (one new token per sequence) attends straight from the paged cache through its block
 tables, with no gather copy and no padded mask. A step whose prompt chunks are all short (at most
 ``SHORT_CHUNK_MAX_QUERIES`` tokens, as a scheduler keeping steps short under a latency target cuts
-them), in bfloat16 or float16, runs every row through the kernel as a decode of its own (``rows_as_decodes``): the per-layer
-gather and SDPA call of a few-token chunk cost more than the attention itself, and the kernel reads
-the rows of one sequence together (they share their block table's chunks). Longer chunks keep the
-reference's gather + SDPA, where the matmuls are large enough for SDPA to do well.
+them), in bfloat16 or float16, runs every row through the kernel as a decode of its own
+(``AttentionMetadata.rows_as_decodes``): the per-layer gather and SDPA call of a few-token chunk
+cost more than the attention itself, and the kernel reads the rows of one sequence together (they
+share their block table's chunks). Longer chunks keep the reference's gather + SDPA, where the
+matmuls are large enough for SDPA to do well.
 """
 
 from __future__ import annotations

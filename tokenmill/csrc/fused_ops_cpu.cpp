@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "vec16.h"
+#include "cpu_ops.h"
 
 namespace tokenmill {
 namespace {
@@ -277,6 +278,20 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::tokenmill::rms_norm(x, weight, eps);
+}
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  ::tokenmill::add_rms_norm(x, residual, weight, eps);
+}
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache, int64_t head_dim) {
+  ::tokenmill::rotary_embedding(positions, query, key, cos_cache, sin_cache, head_dim);
+}
+at::Tensor silu_and_mul(const at::Tensor& x) { return ::tokenmill::silu_and_mul(x); }
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

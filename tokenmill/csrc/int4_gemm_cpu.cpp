@@ -34,6 +34,7 @@
 
 #include <mutex>
 #include <vector>
+#include "cpu_ops.h"
 #endif
 #endif
 
@@ -472,6 +473,13 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales, c
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t method) {
+  return ::tokenmill::int4_linear(x, packed, scales, mins, method);
+}
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int method=0) -> Tensor");

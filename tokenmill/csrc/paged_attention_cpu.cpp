@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "vec16.h"
+#include "cpu_ops.h"
 
 namespace tokenmill {
 namespace {
@@ -631,6 +632,18 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+              const at::Tensor& slot_mapping) {
+  ::tokenmill::write_kv(key, value, key_cache, value_cache, slot_mapping);
+}
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  return ::tokenmill::paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window);
+}
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def(

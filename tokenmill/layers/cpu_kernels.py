@@ -25,8 +25,13 @@ from tokenmill.config import extension_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "fused_ops_cpu.cpp", CSRC / "int4_gemm_cpu.cpp"]
-HEADERS = [CSRC / "vec16.h"]
+SOURCES = [
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "fused_ops_cpu.cpp",
+    CSRC / "int4_gemm_cpu.cpp",
+    CSRC / "decoder_layer_cpu.cpp",
+]
+HEADERS = [CSRC / "vec16.h", CSRC / "cpu_ops.h"]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -76,6 +76,48 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.silu_and_mul(gate_up)  # [rows, size]
 
 
+def llama_decode_layer(
+    hidden: torch.Tensor,  # [S, hidden] bfloat16, contiguous; overwritten
+    residual: torch.Tensor | None,  # [S, hidden] bfloat16, updated in place; None in the first layer
+    weights: list[torch.Tensor],  # see LlamaDecoderLayer.fused_decode_weights
+    positions: torch.Tensor,  # [S] int64
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
+    sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim] bfloat16
+    slot_mapping: torch.Tensor,  # [S] int64
+    block_tables: torch.Tensor,  # [S, max_blocks] int64
+    seq_lens: torch.Tensor,  # [S] int64
+    shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
+    eps: float,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One Llama decoder layer over a step of decodes with int4 projections, in one C++ call
+    (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the unfused layer, so the
+    same bits. When ``residual`` is None, ``hidden`` becomes the residual (as in the unfused layer);
+    returns the layer's output ``[S, hidden]``."""
+    num_heads, num_kv_heads, head_dim = shape
+    return torch.ops.tokenmill.llama_decode_layer(
+        hidden,
+        residual,
+        weights,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        eps,
+        scale,
+        window or 0,
+    )  # [S, hidden]
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for a 2-D CPU tensor with contiguous rows (first index on ties, NaN wins)."""
     return torch.ops.tokenmill.argmax_rows(x)  # [rows] int64

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +16,11 @@ from torch import nn
 
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention import select_attention_backend
+from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import get_rope
+from tokenmill.layers.rotary import RotaryEmbedding, get_rope
 from tokenmill.models.weights import load_hf_weights
 from tokenmill.worker.forward_batch import ForwardBatch
 
@@ -164,6 +166,33 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def fused_decode_weights(self) -> tuple[list[torch.Tensor], int] | None:
+        """``(weights, max_rows)``: the ``weights`` of ``fused_cpu.llama_decode_layer`` for this layer (both
+        norms' weights, then the int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down) and the most
+        rows its int4 projections take. None unless the layer is exactly
+        what that op computes: bfloat16 norms, the CPU kernel attention, static rotary, no q/k norms, a
+        SiLU ``LlamaMLP``, and all four projections on the int4 kernel without bias or tensor parallelism."""
+        attention, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP) or mlp.hidden_act != "silu" or attention.q_norm is not None:
+            return None
+        if not isinstance(attention.attn, CpuPagedAttention):
+            return None
+        rotary = attention.rotary
+        if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
+            return None
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if any(weight.dtype != torch.bfloat16 for weight in norms):
+            return None
+        weights: list[torch.Tensor] = list(norms)
+        max_rows = []
+        for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            int4_weight = linear.int4_weight
+            if int4_weight is None or linear.bias is not None or linear.tp_size != 1:
+                return None
+            weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+            max_rows.append(int4_weight.max_rows)
+        return weights, min(max_rows)
+
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache.
@@ -188,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
+        # Per layer, the tensors of the fused CPU decode layer (see prepare_for_inference).
+        self.decode_layer_weights: list[list[torch.Tensor]] | None = None
+        self.decode_layer_max_rows = 0
 
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
         """The feed-forward of layer ``layer_index``; mixture-of-experts families override this."""
@@ -210,8 +242,65 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.args.num_layers
 
+    def prepare_for_inference(self) -> None:
+        """Collect every layer's tensors for the fused CPU decode layer (all layers fit it, or it is
+        not used); the model runner calls this once the weights are final."""
+        self.decode_layer_weights = None
+        self.decode_layer_max_rows = 0
+        per_layer = [cast(LlamaDecoderLayer, layer).fused_decode_weights() for layer in self.layers]
+        fitting = [entry for entry in per_layer if entry is not None]
+        if fitting and len(fitting) == len(per_layer):
+            self.decode_layer_weights = [weights for weights, _ in fitting]
+            self.decode_layer_max_rows = min(max_rows for _, max_rows in fitting)
+
+    def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The decoder stack through ``fused_cpu.llama_decode_layer`` when this step is decodes only
+        and every layer fits it (``prepare_for_inference``); None otherwise, for the layer modules."""
+        layer_weights = self.decode_layer_weights
+        num_tokens = hidden.shape[0]
+        if (
+            layer_weights is None
+            or num_tokens > self.decode_layer_max_rows
+            or not fused_cpu.applies_to(hidden)
+        ):
+            return None
+        backend = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn
+        rotary = self.rotary
+        assert isinstance(backend, CpuPagedAttention) and isinstance(rotary, RotaryEmbedding)
+        group = backend.decode_only_group(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
+        if group is None:
+            return None
+        assert group.block_tables is not None and group.seq_lens is not None
+        args = self.args
+        shape = (args.num_heads, args.num_kv_heads, args.head_dim)
+        residual: torch.Tensor | None = None
+        for weights, kv_cache in zip(layer_weights, batch.kv_caches):
+            out = fused_cpu.llama_decode_layer(
+                hidden,
+                residual,
+                weights,
+                batch.positions,
+                rotary.cos_cache,
+                rotary.sin_cache,
+                kv_cache,
+                batch.attn.slot_mapping,
+                group.block_tables,
+                group.seq_lens,
+                shape,
+                args.rms_norm_eps,
+                backend.scale,
+                group.sliding_window,
+            )  # [num_tokens, hidden_size]
+            residual = hidden if residual is None else residual
+            hidden = out
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [num_tokens, hidden_size]
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
+        fused = self._forward_fused_decodes(batch, hidden)
+        if fused is not None:
+            return fused
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, batch, index)

@@ -57,7 +57,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if (
             len(groups) != 1
             or groups[0].first_row != 0
-            or not self._kernel_handles(query, kv_cache, groups[0])
+            or not self._kernel_handles(query.dtype, kv_cache, groups[0])
         ):
             return super().forward(query, key, value, kv_cache, metadata)
         group = groups[0]
@@ -91,7 +91,7 @@ class CpuPagedAttention(TorchPagedAttention):
         group: AttentionGroup,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> None:
-        if not self._kernel_handles(query, kv_cache, group):
+        if not self._kernel_handles(query.dtype, kv_cache, group):
             super()._attend_group(query, kv_cache, group, out)
             return
         assert group.block_tables is not None and group.seq_lens is not None
@@ -128,17 +128,35 @@ class CpuPagedAttention(TorchPagedAttention):
             group.num_queries <= SHORT_CHUNK_MAX_QUERIES
             and query.dtype != torch.float32
             and group.spans is not None
-            and self._kernel_handles(query, kv_cache, group, any_queries=True)
+            and self._kernel_handles(query.dtype, kv_cache, group, any_queries=True)
         )
 
+    def decode_only_group(
+        self, metadata: AttentionMetadata, num_tokens: int, dtype: torch.dtype, kv_cache: torch.Tensor
+    ) -> AttentionGroup | None:
+        """The step's group when every one of its ``num_tokens`` rows is a decode that ``forward`` would
+        attend with the kernel in row order (one group, one query per sequence, rows in sequence
+        order), else None. The fused decoder layer (``fused_cpu.llama_decode_layer``) runs such steps."""
+        if len(metadata.groups) != 1:
+            return None
+        group = metadata.groups[0]
+        if (
+            group.first_row != 0
+            or not self._kernel_handles(dtype, kv_cache, group)
+            or group.block_tables is None
+            or group.block_tables.shape[0] != num_tokens
+        ):
+            return None
+        return group
+
     def _kernel_handles(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, any_queries: bool = False
+        self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup, any_queries: bool = False
     ) -> bool:
         return (
             (any_queries or group.num_queries == 1)
             and group.block_tables is not None
             and group.seq_lens is not None
-            and query.dtype == kv_cache.dtype
-            and query.dtype in KERNEL_DTYPES
+            and dtype == kv_cache.dtype
+            and dtype in KERNEL_DTYPES
             and self.head_dim <= MAX_HEAD_DIM
         )

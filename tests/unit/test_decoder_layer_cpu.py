@@ -1,0 +1,92 @@
+"""The fused CPU decode layer (``csrc/decoder_layer_cpu.cpp``): a step of decodes with int4 projections
+runs each Llama layer in one C++ call, with the same bits as the layer modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import fused_cpu
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.logprobs is not None
+        logprobs = [
+            [(token, entry.logprob) for token, entry in sorted(row.items())] for row in completion.logprobs
+        ]
+        results.append((list(completion.token_ids), logprobs))
+    return results
+
+
+def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_modules(
+    tiny_model,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = LLM(
+        tiny_model("llama").path,
+        dtype="bfloat16",
+        quantization="int4",
+        num_blocks=64,
+        enable_prefix_caching=False,
+    )
+    model = llm.engine.executor.runner.model
+    assert model.decode_layer_weights is not None and len(model.decode_layer_weights) == 2
+    calls: list[int] = []
+    original = fused_cpu.llama_decode_layer
+
+    def counting(hidden: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "llama_decode_layer", counting)
+    # Different lengths: sequences finish prefill in different steps, so decode steps hold 1 to 5 rows
+    # (and the steps that still hold a prompt chunk go through the modules).
+    prompts = [[7 + i for i in range(length)] for length in (3, 17, 40, 9, 64)]
+    fused = _generate(llm, prompts)
+    assert calls and max(calls) == len(prompts) and min(calls) >= 1
+    # Every decode step of the 11 decoded tokens after the first went through the op, twice (2 layers).
+    assert len(calls) % 2 == 0 and len(calls) >= 2 * 11
+
+    calls.clear()
+    model.decode_layer_weights = None  # the layer modules only
+    assert _generate(llm, prompts) == fused
+    assert not calls
+
+
+def test_layers_that_the_op_does_not_compute_keep_the_modules(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    # Per-head q/k norms (Qwen3) are not in the op; without int4 weights there is nothing to fuse.
+    for path, kwargs in (
+        (tiny_model("qwen3").path, {"quantization": "int4"}),
+        (tiny_model("llama").path, {}),
+    ):
+        llm = LLM(path, dtype="bfloat16", num_blocks=16, enable_prefix_caching=False, **kwargs)
+        assert llm.engine.executor.runner.model.decode_layer_weights is None
+
+
+def test_the_op_names_a_wrong_weight_list() -> None:
+    hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
+    index = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="weights must hold 14 tensors, got 1"):
+        fused_cpu.llama_decode_layer(
+            hidden,
+            None,
+            [hidden],
+            index,
+            hidden,
+            hidden,
+            cache,
+            index,
+            index[None],
+            index + 1,
+            (4, 2, 16),
+            1e-6,
+            0.25,
+            None,
+        )

@@ -1,0 +1,26 @@
+// The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
+// them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
+// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear) and
+// paged_attention_cpu.cpp (KV write, decode attention).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace tokenmill::ops {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache, int64_t head_dim);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t method);
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+              const at::Tensor& slot_mapping);
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window);
+
+}  // namespace tokenmill::ops

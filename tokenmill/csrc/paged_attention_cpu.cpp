@@ -541,8 +541,9 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
   at::Tensor out =
       at::empty({num_seqs, num_heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (num_seqs == 0) return out;
-  TORCH_CHECK(lens.max().item<int64_t>() <= tables.size(1) * key_cache.size(1),
-              "a seq_len exceeds its block table");
+  const int64_t* len_values = lens.data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(len_values, len_values + num_seqs);  // no operator call
+  TORCH_CHECK(longest <= tables.size(1) * key_cache.size(1), "a seq_len exceeds its block table");
 
   AT_DISPATCH_SWITCH(query.scalar_type(), "paged_attention_decode", TOKENMILL_FLOAT_CASES([&] {
                        Problem<scalar_t> p{};

@@ -34,22 +34,18 @@
 
 #include <mutex>
 #include <vector>
+#endif
+#endif
+
 #include "cpu_ops.h"
-#endif
-#endif
+#include "group_gemm.h"
 
 namespace tokenmill {
 namespace {
 
-constexpr int64_t kGroup = 32;
+using namespace group_gemm;  // kGroup, kMaxGroups, kPrefetchBytes, widen_row, the row kernel
+
 constexpr int64_t kGroupBytes = kGroup / 2;
-// Input rows handled per pass over a weight row: one float32 accumulator register each.
-constexpr int kMaxRowsPerPass = 16;
-// Largest input width: the float32 copies of one weight row's scales and minimums live on the stack.
-constexpr int64_t kMaxGroups = 1024;
-// How far ahead the row kernel prefetches packed weights (one 64-byte line every 4 groups). Measured on
-// a 2-core Xeon: no prefetch 5.5 GB/s at one row, 1 KiB 10 GB/s, 4-16 KiB 12-14 GB/s.
-constexpr int64_t kPrefetchBytes = 4096;
 
 void check_format(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
@@ -87,57 +83,29 @@ inline __m512bh dequantize_group(const uint8_t* bytes, __m512 d, __m512 m) {
   return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(words, shifts), table);
 }
 
-// Float32 copies of one weight row's group scales and minimums (16 converted per instruction).
-inline void widen_row(const c10::Half* src, float* dst, int64_t groups) {
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 lanes = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1u);
-    _mm512_mask_storeu_ps(dst + g, lanes, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, src + g)));
-  }
-}
-
-// out[r, o] for rows [row0, row0 + ROWS) and outputs [begin, end).
-template <int ROWS>
-void linear_rows(const c10::BFloat16* x, int64_t x_stride, const uint8_t* packed, const c10::Half* scales,
-                 const c10::Half* mins, c10::BFloat16* out, int64_t out_stride, int64_t row0, int64_t begin,
-                 int64_t end, int64_t in) {
-  const int64_t groups = in / kGroup;
-  alignas(64) float d_row[kMaxGroups], m_row[kMaxGroups];
-  for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* w = packed + o * (in / 2);
-    // Software prefetch of the three streams (packed bytes, scales, mins), kPrefetchBytes of packed
-    // weights ahead: the hardware prefetcher alone leaves a core waiting on DRAM about half the time.
+// The int4 format for the row kernel (group_gemm.h): per row the float32 scales and minimums, per group
+// one table lookup (dequantize_group), a 64-byte line of packed weights prefetched every 4 groups.
+struct Int4Groups {
+  const uint8_t* packed;
+  const c10::Half* scales;
+  const c10::Half* mins;
+  int64_t groups;
+  struct Row {
+    alignas(64) float d[kMaxGroups];
+    alignas(64) float m[kMaxGroups];
+  };
+  void start_row(int64_t o, Row& row) const {
     _mm_prefetch(reinterpret_cast<const char*>(scales + o * groups + kPrefetchBytes / kGroupBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(mins + o * groups + kPrefetchBytes / kGroupBytes), _MM_HINT_T0);
-    widen_row(scales + o * groups, d_row, groups);
-    widen_row(mins + o * groups, m_row, groups);
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * kGroupBytes + kPrefetchBytes), _MM_HINT_T0);
-      const __m512bh wg = dequantize_group(w + g * kGroupBytes, _mm512_set1_ps(d_row[g]), _mm512_set1_ps(m_row[g]));
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + (row0 + r) * x_stride + g * kGroup);
-        acc[r] = _mm512_dpbf16_ps(acc[r], wg, xg);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      out[(row0 + r) * out_stride + o] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
-    }
+    widen_row(scales + o * groups, row.d, groups);
+    widen_row(mins + o * groups, row.m, groups);
   }
-}
-
-template <int ROWS>
-void linear_pass(const c10::BFloat16* x, int64_t x_stride, const uint8_t* packed, const c10::Half* scales,
-                 const c10::Half* mins, c10::BFloat16* out, int64_t out_stride, int64_t row0, int64_t rows,
-                 int64_t begin, int64_t end, int64_t in) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) {
-      linear_pass<ROWS - 1>(x, x_stride, packed, scales, mins, out, out_stride, row0, rows, begin, end, in);
-      return;
-    }
+  __m512bh group(int64_t o, int64_t g, const Row& row) const {
+    const uint8_t* w = packed + (o * groups + g) * kGroupBytes;
+    if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
+    return dequantize_group(w, _mm512_set1_ps(row.d[g]), _mm512_set1_ps(row.m[g]));
   }
-  linear_rows<ROWS>(x, x_stride, packed, scales, mins, out, out_stride, row0, begin, end, in);
-}
+};
 
 void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out,
                      int64_t begin, int64_t end, int64_t in) {
@@ -388,9 +356,6 @@ void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::
 
 #endif
 
-// Output rows per parallel task: a few KiB of packed weights, so two threads split even a small layer.
-constexpr int64_t kOutputsPerTask = 16;
-
 // Which kernel multiplies: kAuto picks the tile path from kTilesFromRows rows when the CPU and the OS
 // allow AMX, else the row kernel; kRows and kTiles force one (tests compare both with the reference;
 // kTiles raises where AMX is unavailable).
@@ -444,10 +409,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
   at::parallel_for(0, out_features, kOutputsPerTask, [&](int64_t begin, int64_t end) {
 #ifdef TOKENMILL_INT4_AVX512
-    for (int64_t row0 = 0; row0 < rows; row0 += kMaxRowsPerPass) {
-      const int64_t n = std::min<int64_t>(kMaxRowsPerPass, rows - row0);
-      linear_pass<kMaxRowsPerPass>(xp, x_stride, wp, dp, mp, op, out_features, row0, n, begin, end, in);
-    }
+    multiply_rows(xp, x_stride, Int4Groups{wp, dp, mp, in / kGroup}, op, out_features, rows, begin, end);
 #else
     linear_portable(xp, x_stride, wp, dp, mp, op, out_features, rows, begin, end, in);
 #endif

@@ -30,8 +30,9 @@ SOURCES = [
     CSRC / "fused_ops_cpu.cpp",
     CSRC / "int4_gemm_cpu.cpp",
     CSRC / "decoder_layer_cpu.cpp",
+    CSRC / "q8_gemm_cpu.cpp",
 ]
-HEADERS = [CSRC / "vec16.h", CSRC / "cpu_ops.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "cpu_ops.h", CSRC / "group_gemm.h"]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.q8 import Q8Weight, exact_q8_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
 
@@ -44,6 +45,7 @@ class LMHead(nn.Module):
         self.int8_weight: torch.Tensor | None = None
         self.int8_scales: torch.Tensor | None = None
         self.dequantized_weight: torch.Tensor | None = None
+        self.q8_weight: Q8Weight | None = None
 
     def quantize_weights(self, kind: str) -> str | None:
         """Int8 projection weights (layers/quantization.py); under int4 the head keeps its weights. The
@@ -60,6 +62,15 @@ class LMHead(nn.Module):
         self.int8_weight, self.int8_scales = quantize_int8_rows(weight.data)
         self.dequantized_weight = dequantize_int8_rows(self.int8_weight, self.int8_scales)
         return None
+
+    def keep_exact_q8(self) -> bool:
+        """Give the projection the exact 8-bit groups of its weight when it has them (a Q8_0 GGUF
+        tensor: layers/q8.py), for steps of a few rows; the weight itself is unchanged. Returns
+        whether it did."""
+        if self.int8_weight is not None:
+            return False
+        self.q8_weight = exact_q8_weight(self._projection_weight().data)
+        return self.q8_weight is not None
 
     def _projection_weight(self) -> torch.Tensor:
         if self.dequantized_weight is not None:
@@ -78,6 +89,8 @@ class LMHead(nn.Module):
             and int8_rows(hidden, self.int8_scales)
         ):
             return int8_linear(hidden, self.int8_weight, self.int8_scales, None)  # [num_rows, vocab]
+        if self.q8_weight is not None and self.q8_weight.takes(hidden):
+            return self.q8_weight.linear(hidden)  # [num_rows, vocab_size]
         if self.packed_weight is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
             return packed_linear(hidden, self.packed_weight, None)  # [num_rows, vocab_size]
         return F.linear(hidden, self._projection_weight())  # [num_rows, vocab_size]

@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.cpu_kernels import load_error
+from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource
@@ -80,6 +81,7 @@ class ModelRunner:
             self.model.eval()
             quantized = self._quantize(config.model.quantization)
             exact_int4 = self._keep_exact_int4() if config.model.quantization is None else 0
+            exact_q8 = self._keep_exact_q8() if config.model.quantization is None else 0
             for module in self.model.modules():
                 prepare = getattr(module, "prepare_for_inference", None)
                 if prepare is not None:
@@ -89,6 +91,8 @@ class ModelRunner:
             )
             if exact_int4:
                 description += f", the int4 kernel on {exact_int4} exactly 4-bit layers (lossless)"
+            if exact_q8:
+                description += ", the LM head on its exact 8-bit groups (lossless)"
         logger.info(
             "model %s (%s implementation: %s, %s) ready in %.1f s",
             source.name,
@@ -164,6 +168,14 @@ class ModelRunner:
             if isinstance(module, LinearBase) and module.quantize_weights("int4", lossless_only=True) is None:
                 count += 1
         return count
+
+    def _keep_exact_q8(self) -> int:
+        """Like ``_keep_exact_int4``, for LM heads whose weight is exactly 8-bit groups (a Q8_0 GGUF
+        tensor, such as the bundled SmolLM2's tied embedding): single-row steps project from half the
+        bytes with the same weight values (layers/q8.py). Returns how many heads."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or load_error() is not None:
+            return 0
+        return sum(1 for m in self.model.modules() if isinstance(m, LMHead) and m.keep_exact_q8())
 
     # ------------------------------------------------------------------ one step
 

@@ -1,0 +1,97 @@
+"""8-bit groups (GGUF Q8_0's format) for weights that hold exactly such values: the bundled SmolLM2's
+tied embedding and LM head.
+
+Format: a weight ``[out, in]`` in groups of 32 consecutive input features, per group a float16 scale
+``d`` (tensor ``[out, in / 32]``) and int8 ``q`` (tensor ``[out, in]``); element value
+``round_bf16(float(d) * q)`` (the product is exact in float32). A Q8_0 GGUF tensor loaded in bfloat16
+holds exactly these values, so a layer whose weight passes :func:`exact_q8_groups` can stream half
+the bytes of bfloat16 for the same weight values: not a quantization. Our kernel
+(``csrc/q8_gemm_cpu.cpp``, the row kernel of ``csrc/group_gemm.h``) decodes each group once per call
+and multiplies it with every input row (bfloat16 dot products, float32 accumulation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.layers.cpu_kernels import load_error
+
+GROUP_SIZE = 32
+# Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values: on SmolLM2's LM
+# head (49152 x 576, 2 threads) 1.20 vs 1.48 ms at one row, even at two, 2.25 vs 1.50 ms at four.
+# Larger steps use the bfloat16 weight.
+Q8_MAX_ROWS = 1
+# fp16 neighbours of max|w| / 127 tried as a group's scale (a Q8_0 group's largest |q| is 127, but the
+# bfloat16 value of d * 127 hides d's last bits).
+_SCALE_STEPS = (0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8)
+
+
+def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q [out, in] int8, scales [out, in / 32] float16)`` whose values equal the bfloat16 ``weight``
+    element for element, or None when it has no such form (``in`` not a multiple of 32, or a group
+    whose values are not ``round_bf16(d * q)`` for one float16 ``d`` and int8 ``q``)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+        return None
+    if _groups_of(weight[:1]) is None:  # most weights fail on their first row: skip the rest
+        return None
+    return _groups_of(weight)
+
+
+def _groups_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    out_features, in_features = weight.shape
+    target = weight.reshape(-1, GROUP_SIZE)  # [groups, 32] bfloat16
+    values = target.float()  # [groups, 32]
+    amax = values.abs().amax(dim=1)  # [groups]
+    first_guess = (amax / 127.0).to(torch.float16).view(torch.int16)  # [groups] bits of a positive fp16
+    scales = torch.zeros(amax.shape, dtype=torch.float16)  # [groups]; an all-zero group keeps d = 0
+    q = torch.zeros(values.shape, dtype=torch.int8)  # [groups, 32]
+    open_groups = torch.nonzero(amax > 0).flatten()  # [n]
+    for step in _SCALE_STEPS:
+        if open_groups.numel() == 0:
+            break
+        d = (first_guess[open_groups] + step).view(torch.float16)  # [n]
+        d32 = d.float()[:, None]  # [n, 1]
+        rounded = torch.round(values[open_groups] / d32).clamp(-127, 127)  # [n, 32]
+        exact = ((rounded * d32).to(torch.bfloat16) == target[open_groups]).all(dim=1) & (d > 0)  # [n]
+        found = open_groups[exact]
+        scales[found] = d[exact]
+        q[found] = rounded[exact].to(torch.int8)
+        open_groups = open_groups[~exact]
+    if open_groups.numel():
+        return None
+    return q.reshape(out_features, in_features), scales.reshape(out_features, in_features // GROUP_SIZE)
+
+
+def dequantize_q8_reference(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 weight ``[out, in]`` of ``(q, scales)`` from torch ops (the format's definition)."""
+    out_features = q.shape[0]
+    groups = q.reshape(out_features, -1, GROUP_SIZE).float()  # [out, G, 32]
+    return (groups * scales.float()[..., None]).to(torch.bfloat16).reshape(out_features, -1)
+
+
+@dataclass
+class Q8Weight:
+    """A weight's exact 8-bit groups (see the module docstring) for steps of 1 to ``max_rows`` rows."""
+
+    q: torch.Tensor  # [out_features, in_features] int8
+    scales: torch.Tensor  # [out_features, in_features / 32] float16
+    max_rows: int = Q8_MAX_ROWS
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows."""
+        return x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.bfloat16
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` ``[rows, out_features]`` in bfloat16 (float32 accumulation)."""
+        return torch.ops.tokenmill.q8_linear(x, self.q, self.scales)  # [rows, out_features]
+
+
+def exact_q8_weight(weight: torch.Tensor) -> Q8Weight | None:
+    """A :class:`Q8Weight` holding exactly ``weight``'s values, or None when it has no such form or the
+    C++ kernels are unavailable (then nothing changes: this is not an opt-in mode)."""
+    if weight.device.type != "cpu" or load_error() is not None:
+        return None
+    groups = exact_q8_groups(weight)
+    return None if groups is None else Q8Weight(*groups)

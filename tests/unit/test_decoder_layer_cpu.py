@@ -24,12 +24,14 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
     return results
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: QKV biases, tied embeddings
 def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_modules(
+    arch: str,
     tiny_model,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     llm = LLM(
-        tiny_model("llama").path,
+        tiny_model(arch).path,
         dtype="bfloat16",
         quantization="int4",
         num_blocks=64,
@@ -37,6 +39,8 @@ def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_m
     )
     model = llm.engine.executor.runner.model
     assert model.decode_layer_weights is not None and len(model.decode_layer_weights) == 2
+    has_qkv_bias = [layer.biases[0] is not None for layer in model.decode_layer_weights]
+    assert has_qkv_bias == [arch == "qwen2"] * 2
     calls: list[int] = []
     original = fused_cpu.llama_decode_layer
 
@@ -69,24 +73,29 @@ def test_layers_that_the_op_does_not_compute_keep_the_modules(tiny_model) -> Non
         assert llm.engine.executor.runner.model.decode_layer_weights is None
 
 
-def test_the_op_names_a_wrong_weight_list() -> None:
+def test_the_op_names_a_wrong_weight_or_bias_list() -> None:
     hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
     cache = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
     index = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="weights must hold 14 tensors, got 1"):
-        fused_cpu.llama_decode_layer(
-            hidden,
-            None,
-            [hidden],
-            index,
-            hidden,
-            hidden,
-            cache,
-            index,
-            index[None],
-            index + 1,
-            (4, 2, 16),
-            1e-6,
-            0.25,
-            None,
-        )
+    for weights, biases, message in (
+        ([hidden], [None] * 4, "weights must hold 14 tensors, got 1"),
+        ([hidden] * 14, [None], "biases must hold 4 entries, got 1"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            fused_cpu.llama_decode_layer(
+                hidden,
+                None,
+                weights,
+                biases,
+                index,
+                hidden,
+                hidden,
+                cache,
+                index,
+                index[None],
+                index + 1,
+                (4, 2, 16),
+                1e-6,
+                0.25,
+                None,
+            )

@@ -19,12 +19,15 @@
 //                in place to the residual after the attention block
 //   weights      [input_norm, post_attention_norm, then (packed, scales, mins) of qkv, o, gate_up,
 //                down]: 14 tensors, int4 in layers/int4.py's format
+//   biases       [qkv, o, gate_up, down]: each projection's bias (added to its output) or None
 //   positions    [S] int64; cos_cache / sin_cache [max_position, rotary_dim / 2] float32
 //   key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim]: row s's key and value are
 //                stored at slot_mapping[s] before attention
 //   block_tables [S, max_blocks] and seq_lens [S] int64: each row is one sequence's decode
 //   returns      [S, hidden] bfloat16: the layer's output before the next residual add
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -38,19 +41,26 @@ namespace {
 
 constexpr int64_t kAutoKernel = 0;  // int4_linear picks the row or tile kernel by row count
 constexpr size_t kNumWeights = 14;
+constexpr size_t kNumProjections = 4;
 
 at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>& residual,
-                              const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                              const std::vector<at::Tensor>& weights,
+                              const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& positions,
                               const at::Tensor& cos_cache, const at::Tensor& sin_cache, at::Tensor key_cache,
                               at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               double eps, double scale, int64_t window) {
   TORCH_CHECK(weights.size() == kNumWeights, "weights must hold ", kNumWeights, " tensors, got ", weights.size());
+  TORCH_CHECK(biases.size() == kNumProjections, "biases must hold ", kNumProjections, " entries, got ", biases.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");
   const int64_t rows = hidden.size(0);
   const at::Tensor &input_norm = weights[0], &post_norm = weights[1];
-  const auto linear = [&](const at::Tensor& x, size_t first) {
-    return ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
+  // Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of x, its bias added as the layer module adds it.
+  const auto linear = [&](const at::Tensor& x, size_t p) {
+    const size_t first = 2 + 3 * p;
+    at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
+    const std::optional<at::Tensor> bias = biases.get(p);
+    return bias.has_value() ? at::add(out, *bias) : out;
   };
 
   at::Tensor normed, skip;
@@ -63,7 +73,7 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
     normed = ops::rms_norm(hidden, input_norm, eps);
   }
 
-  const at::Tensor qkv = linear(normed, 2);  // [S, (H + 2 * KVH) * D]
+  const at::Tensor qkv = linear(normed, 0);  // [S, (H + 2 * KVH) * D]
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "the qkv weight has ", qkv.size(1), " outputs, expected ",
               q_size + 2 * kv_size);
@@ -77,10 +87,10 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
                                                           value_cache, block_tables, seq_lens, scale,
                                                           window);  // [S, H, D]
 
-  at::Tensor x = linear(attended.view({rows, q_size}), 5);  // [S, hidden]
+  at::Tensor x = linear(attended.view({rows, q_size}), 1);  // [S, hidden]
   ops::add_rms_norm(x, skip, post_norm, eps);
-  const at::Tensor gate_up = linear(x, 8);                    // [S, 2 * intermediate]
-  return linear(ops::silu_and_mul(gate_up), 11);              // [S, hidden]
+  const at::Tensor gate_up = linear(x, 2);                    // [S, 2 * intermediate]
+  return linear(ops::silu_and_mul(gate_up), 3);              // [S, hidden]
 }
 
 }  // namespace
@@ -88,7 +98,8 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
-      "llama_decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor positions, "
+      "llama_decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor?[] biases, "
+      "Tensor positions, "
       "Tensor cos_cache, Tensor sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int window) -> Tensor");

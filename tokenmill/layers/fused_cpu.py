@@ -79,7 +79,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def llama_decode_layer(
     hidden: torch.Tensor,  # [S, hidden] bfloat16, contiguous; overwritten
     residual: torch.Tensor | None,  # [S, hidden] bfloat16, updated in place; None in the first layer
-    weights: list[torch.Tensor],  # see LlamaDecoderLayer.fused_decode_weights
+    weights: list[torch.Tensor],  # see models/llama.FusedDecodeWeights
+    biases: list[torch.Tensor | None],  # qkv, o, gate_up, down
     positions: torch.Tensor,  # [S] int64
     cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
     sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
@@ -92,7 +93,8 @@ def llama_decode_layer(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """One Llama decoder layer over a step of decodes with int4 projections, in one C++ call
+    """One Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
+    any), in one C++ call
     (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the unfused layer, so the
     same bits. When ``residual`` is None, ``hidden`` becomes the residual (as in the unfused layer);
     returns the layer's output ``[S, hidden]``."""
@@ -101,6 +103,7 @@ def llama_decode_layer(
         hidden,
         residual,
         weights,
+        biases,
         positions,
         cos_cache,
         sin_cache,

@@ -166,12 +166,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def fused_decode_weights(self) -> tuple[list[torch.Tensor], int] | None:
-        """``(weights, max_rows)``: the ``weights`` of ``fused_cpu.llama_decode_layer`` for this layer (both
-        norms' weights, then the int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down) and the most
-        rows its int4 projections take. None unless the layer is exactly
+    def fused_decode_weights(self) -> FusedDecodeWeights | None:
+        """This layer's tensors for ``fused_cpu.llama_decode_layer``, or None unless the layer is exactly
         what that op computes: bfloat16 norms, the CPU kernel attention, static rotary, no q/k norms, a
-        SiLU ``LlamaMLP``, and all four projections on the int4 kernel without bias or tensor parallelism."""
+        SiLU ``LlamaMLP``, and all four projections on the int4 kernel without tensor parallelism."""
         attention, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP) or mlp.hidden_act != "silu" or attention.q_norm is not None:
             return None
@@ -183,15 +181,28 @@ class LlamaDecoderLayer(nn.Module):
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         if any(weight.dtype != torch.bfloat16 for weight in norms):
             return None
-        weights: list[torch.Tensor] = list(norms)
+        fused = FusedDecodeWeights(weights=list(norms), biases=[], max_rows=0)
         max_rows = []
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
             int4_weight = linear.int4_weight
-            if int4_weight is None or linear.bias is not None or linear.tp_size != 1:
+            if int4_weight is None or linear.tp_size != 1:
                 return None
-            weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+            fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+            fused.biases.append(linear.bias)
             max_rows.append(int4_weight.max_rows)
-        return weights, min(max_rows)
+        fused.max_rows = min(max_rows)
+        return fused
+
+
+@dataclass
+class FusedDecodeWeights:
+    """One layer's arguments of ``fused_cpu.llama_decode_layer``: ``weights`` (both norms' weights, then
+    the int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down), ``biases`` (those four
+    projections' biases or None) and ``max_rows``, the most rows its int4 projections take."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    max_rows: int
 
 
 class LlamaForCausalLM(nn.Module):
@@ -218,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
         # Per layer, the tensors of the fused CPU decode layer (see prepare_for_inference).
-        self.decode_layer_weights: list[list[torch.Tensor]] | None = None
+        self.decode_layer_weights: list[FusedDecodeWeights] | None = None
         self.decode_layer_max_rows = 0
 
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
@@ -250,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
         per_layer = [cast(LlamaDecoderLayer, layer).fused_decode_weights() for layer in self.layers]
         fitting = [entry for entry in per_layer if entry is not None]
         if fitting and len(fitting) == len(per_layer):
-            self.decode_layer_weights = [weights for weights, _ in fitting]
-            self.decode_layer_max_rows = min(max_rows for _, max_rows in fitting)
+            self.decode_layer_weights = fitting
+            self.decode_layer_max_rows = min(layer.max_rows for layer in fitting)
 
     def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """The decoder stack through ``fused_cpu.llama_decode_layer`` when this step is decodes only
@@ -274,11 +285,12 @@ class LlamaForCausalLM(nn.Module):
         args = self.args
         shape = (args.num_heads, args.num_kv_heads, args.head_dim)
         residual: torch.Tensor | None = None
-        for weights, kv_cache in zip(layer_weights, batch.kv_caches):
+        for layer, kv_cache in zip(layer_weights, batch.kv_caches):
             out = fused_cpu.llama_decode_layer(
                 hidden,
                 residual,
-                weights,
+                layer.weights,
+                layer.biases,
                 batch.positions,
                 rotary.cos_cache,
                 rotary.sin_cache,

@@ -14,7 +14,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
 
 #include "group_gemm.h"
 
@@ -106,9 +110,72 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return out;
 }
 
+// fp16 neighbours of max|w| / 127 tried as a group's scale, in this order: a Q8_0 group's largest |q|
+// is 127, but the bfloat16 value of d * 127 hides the last bits of d.
+constexpr int kScaleSteps[] = {0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8};
+
+// The q of group `w` (32 bfloat16 values) for scale d, if every round_bf16(d * q) equals its value.
+bool fits_scale(const c10::BFloat16* w, float d, int8_t* q) {
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const float value = static_cast<float>(w[j]);
+    const float level = std::min(127.0f, std::max(-127.0f, std::nearbyint(value / d)));
+    if (static_cast<float>(static_cast<c10::BFloat16>(d * level)) != value) return false;
+    q[j] = static_cast<int8_t>(level);
+  }
+  return true;
+}
+
+// (q [out, in] int8, scales [out, in/32] float16, found): the exact 8-bit groups of a bfloat16 weight,
+// as layers/q8.py's exact_q8_groups documents; `found` is false when some group has none (then q and
+// scales are unspecified).
+std::tuple<at::Tensor, at::Tensor, bool> q8_groups_of(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.size(1) % kGroup == 0,
+              "weight must be a contiguous bfloat16 CPU tensor [out, in] with in a multiple of ", kGroup);
+  const int64_t out_features = weight.size(0), in = weight.size(1), groups = out_features * (in / kGroup);
+  at::Tensor q = at::empty({out_features, in}, weight.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({out_features, in / kGroup}, weight.options().dtype(at::kHalf));
+  const auto* wp = weight.data_ptr<c10::BFloat16>();
+  auto* qp = q.data_ptr<int8_t>();
+  auto* dp = scales.data_ptr<c10::Half>();
+  std::atomic<bool> found{true};
+  at::parallel_for(0, groups, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end && found.load(std::memory_order_relaxed); ++g) {
+      const c10::BFloat16* w = wp + g * kGroup;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(static_cast<float>(w[j])));
+      if (amax == 0.0f) {  // all zeros (either sign): d = 0, q = 0
+        dp[g] = c10::Half(0.0f);
+        std::fill(qp + g * kGroup, qp + (g + 1) * kGroup, int8_t{0});
+        continue;
+      }
+      const uint16_t guess = c10::Half(amax / 127.0f).x;
+      bool fits = false;
+      for (const int step : kScaleSteps) {
+        c10::Half d;
+        d.x = static_cast<uint16_t>(guess + step);
+        const float d32 = static_cast<float>(d);
+        if (d32 > 0.0f && std::isfinite(d32) && fits_scale(w, d32, qp + g * kGroup)) {
+          dp[g] = d;
+          fits = true;
+          break;
+        }
+      }
+      if (!fits) found.store(false, std::memory_order_relaxed);
+    }
+  });
+  return {q, scales, found.load()};
+}
+
 }  // namespace
 }  // namespace tokenmill
 
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) { m.def("q8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("q8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("q8_groups_of(Tensor weight) -> (Tensor, Tensor, bool)");
+}
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("q8_linear", &tokenmill::q8_linear); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("q8_linear", &tokenmill::q8_linear);
+  m.impl("q8_groups_of", &tokenmill::q8_groups_of);
+}

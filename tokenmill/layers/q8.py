@@ -23,45 +23,21 @@ GROUP_SIZE = 32
 # head (49152 x 576, 2 threads) 1.20 vs 1.48 ms at one row, even at two, 2.25 vs 1.50 ms at four.
 # Larger steps use the bfloat16 weight.
 Q8_MAX_ROWS = 1
-# fp16 neighbours of max|w| / 127 tried as a group's scale (a Q8_0 group's largest |q| is 127, but the
-# bfloat16 value of d * 127 hides d's last bits).
-_SCALE_STEPS = (0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8)
 
 
 def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(q [out, in] int8, scales [out, in / 32] float16)`` whose values equal the bfloat16 ``weight``
     element for element, or None when it has no such form (``in`` not a multiple of 32, or a group
-    whose values are not ``round_bf16(d * q)`` for one float16 ``d`` and int8 ``q``)."""
+    whose values are not ``round_bf16(d * q)`` for one float16 ``d`` and int8 ``q``). Per group the
+    kernel tries the float16 neighbours of ``max|w| / 127`` (a Q8_0 group's largest ``|q|`` is 127, and
+    the bfloat16 value of ``127 d`` hides the last bits of ``d``). RuntimeError when the C++ kernels are unavailable."""
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"exact 8-bit groups need the C++ CPU kernels, which are unavailable: {error}")
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
         return None
-    if _groups_of(weight[:1]) is None:  # most weights fail on their first row: skip the rest
-        return None
-    return _groups_of(weight)
-
-
-def _groups_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    out_features, in_features = weight.shape
-    target = weight.reshape(-1, GROUP_SIZE)  # [groups, 32] bfloat16
-    values = target.float()  # [groups, 32]
-    amax = values.abs().amax(dim=1)  # [groups]
-    first_guess = (amax / 127.0).to(torch.float16).view(torch.int16)  # [groups] bits of a positive fp16
-    scales = torch.zeros(amax.shape, dtype=torch.float16)  # [groups]; an all-zero group keeps d = 0
-    q = torch.zeros(values.shape, dtype=torch.int8)  # [groups, 32]
-    open_groups = torch.nonzero(amax > 0).flatten()  # [n]
-    for step in _SCALE_STEPS:
-        if open_groups.numel() == 0:
-            break
-        d = (first_guess[open_groups] + step).view(torch.float16)  # [n]
-        d32 = d.float()[:, None]  # [n, 1]
-        rounded = torch.round(values[open_groups] / d32).clamp(-127, 127)  # [n, 32]
-        exact = ((rounded * d32).to(torch.bfloat16) == target[open_groups]).all(dim=1) & (d > 0)  # [n]
-        found = open_groups[exact]
-        scales[found] = d[exact]
-        q[found] = rounded[exact].to(torch.int8)
-        open_groups = open_groups[~exact]
-    if open_groups.numel():
-        return None
-    return q.reshape(out_features, in_features), scales.reshape(out_features, in_features // GROUP_SIZE)
+    q, scales, found = torch.ops.tokenmill.q8_groups_of(weight.contiguous())
+    return (q, scales) if found else None
 
 
 def dequantize_q8_reference(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -109,15 +109,12 @@ struct Int4Groups {
 
 void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out,
                      int64_t begin, int64_t end, int64_t in) {
-  const int64_t groups = in / kGroup;
-  alignas(64) float d_row[kMaxGroups], m_row[kMaxGroups];
+  const Int4Groups format{packed, scales, mins, in / kGroup};
+  Int4Groups::Row row;
   for (int64_t o = begin; o < end; ++o) {
-    widen_row(scales + o * groups, d_row, groups);
-    widen_row(mins + o * groups, m_row, groups);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512bh wg = dequantize_group(packed + o * (in / 2) + g * kGroupBytes, _mm512_set1_ps(d_row[g]),
-                                           _mm512_set1_ps(m_row[g]));
-      _mm512_storeu_si512(out + o * in + g * kGroup, (__m512i)wg);
+    format.start_row(o, row);
+    for (int64_t g = 0; g < format.groups; ++g) {
+      _mm512_storeu_si512(out + o * in + g * kGroup, (__m512i)format.group(o, g, row));
     }
   }
 }
@@ -282,7 +279,8 @@ void linear_tiles(const uint32_t* inputs, int64_t rows, const uint8_t* packed, c
   static thread_local std::vector<c10::BFloat16> scratch;
   if (scratch.size() < static_cast<size_t>(groups * kTileBytes / 2 + 32)) scratch.resize(groups * kTileBytes / 2 + 32);
   c10::BFloat16* weights = reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-  alignas(64) float d_row[kMaxGroups], m_row[kMaxGroups];
+  const Int4Groups format{packed, scales, mins, groups};
+  Int4Groups::Row row;
   configure_tiles();
   for (int64_t o0 = begin; o0 < end; o0 += kTile) {
     const int64_t count = std::min<int64_t>(kTile, end - o0);
@@ -294,13 +292,9 @@ void linear_tiles(const uint32_t* inputs, int64_t rows, const uint8_t* packed, c
         continue;
       }
       const int64_t o = o0 + i;
-      const uint8_t* w = packed + o * (in / 2);
-      widen_row(scales + o * groups, d_row, groups);
-      widen_row(mins + o * groups, m_row, groups);
+      format.start_row(o, row);
       for (int64_t g = 0; g < groups; ++g) {
-        if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + g * kGroupBytes + kPrefetchBytes), _MM_HINT_T0);
-        const __m512bh wg = dequantize_group(w + g * kGroupBytes, _mm512_set1_ps(d_row[g]), _mm512_set1_ps(m_row[g]));
-        _mm512_storeu_si512(weights + g * (kTileBytes / 2) + i * kGroup, (__m512i)wg);
+        _mm512_storeu_si512(weights + g * (kTileBytes / 2) + i * kGroup, (__m512i)format.group(o, g, row));
       }
     }
     for (int64_t j0 = 0; j0 < row_blocks; j0 += kMaxRowBlocksPerPass) {

@@ -65,7 +65,7 @@ class LMHead(nn.Module):
 
     def keep_exact_q8(self) -> bool:
         """Give the projection the exact 8-bit groups of its weight when it has them (a Q8_0 GGUF
-        tensor: layers/q8.py), for steps of a few rows; the weight itself is unchanged. Returns
+        tensor: layers/q8.py), for steps of up to ``Q8_MAX_ROWS`` rows; the weight itself is unchanged. Returns
         whether it did."""
         if self.int8_weight is not None:
             return False

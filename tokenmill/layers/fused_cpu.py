@@ -94,10 +94,9 @@ def llama_decode_layer(
     window: int | None,
 ) -> torch.Tensor:
     """One Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
-    any), in one C++ call
-    (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the unfused layer, so the
-    same bits. When ``residual`` is None, ``hidden`` becomes the residual (as in the unfused layer);
-    returns the layer's output ``[S, hidden]``."""
+    any), in one C++ call (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the
+    unfused layer, so the same bits. When ``residual`` is None, ``hidden`` becomes the residual (as in
+    the unfused layer); returns the layer's output ``[S, hidden]``."""
     num_heads, num_kv_heads, head_dim = shape
     return torch.ops.tokenmill.llama_decode_layer(
         hidden,

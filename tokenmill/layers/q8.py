@@ -29,8 +29,9 @@ def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
     """``(q [out, in] int8, scales [out, in / 32] float16)`` whose values equal the bfloat16 ``weight``
     element for element, or None when it has no such form (``in`` not a multiple of 32, or a group
     whose values are not ``round_bf16(d * q)`` for one float16 ``d`` and int8 ``q``). Per group the
-    kernel tries the float16 neighbours of ``max|w| / 127`` (a Q8_0 group's largest ``|q|`` is 127, and
-    the bfloat16 value of ``127 d`` hides the last bits of ``d``). RuntimeError when the C++ kernels are unavailable."""
+    kernel (``csrc/q8_gemm_cpu.cpp``) tries the float16 neighbours of ``max|w| / 127`` (a Q8_0 group's
+    largest ``|q|`` is 127, and the bfloat16 value of ``127 d`` hides the last bits of ``d``).
+    RuntimeError when the C++ kernels are unavailable."""
     error = load_error()
     if error is not None:
         raise RuntimeError(f"exact 8-bit groups need the C++ CPU kernels, which are unavailable: {error}")

@@ -195,14 +195,16 @@ class AsyncLLM:
         log_requests: bool = False,
         log_level: str = "INFO",
         start_timeout: float = 600.0,
+        spawned: EngineProcessHandle | None = None,
     ) -> AsyncLLM:
-        """Spawn the engine process and wait until it has loaded the model.
+        """Spawn the engine process (or take ``spawned``, one already started for ``config`` by
+        ``spawn_engine_process`` in its own ``make_socket_dir()`` folder) and wait until it has loaded
+        the model; meanwhile resolve ``source`` (when None) and load the tokenizer.
 
         Raises RuntimeError with the engine's own message if it fails to start, exits early or
         takes longer than ``start_timeout`` seconds; the process is cleaned up in every case.
         """
-        source = source or resolve_model(config.model.model)
-        socket_dir = make_socket_dir()
+        socket_dir = spawned.socket_dir if spawned is not None else make_socket_dir()
         input_address, output_address = socket_addresses(socket_dir)
         async_context = zmq.asyncio.Context()
         output = async_context.socket(zmq.PULL)
@@ -214,10 +216,12 @@ class AsyncLLM:
         input_socket.setsockopt(zmq.SNDHWM, 0)
         input_socket.setsockopt(zmq.LINGER, 0)
         input_socket.connect(input_address)
-        handle = spawn_engine_process(config, socket_dir, log_level)
+        handle = spawned if spawned is not None else spawn_engine_process(config, socket_dir, log_level)
         sockets = (sync_context, input_socket, async_context, output)
         try:
-            # The engine loads the model meanwhile: loading the tokenizer here overlaps with it.
+            # The engine loads the model meanwhile: resolving the model (its config) and loading the
+            # tokenizer here overlap with it.
+            source = source or resolve_model(config.model.model)
             tokenizer = source.load_tokenizer()
             ready = await _wait_ready(output, handle.process, start_timeout)
         except BaseException:

@@ -19,7 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.frontend.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.loader import ModelSource
 from tokenmill.server.context import ServerContext, ServerSettings, get_context
-from tokenmill.server.engine_process import freeze_startup_objects
+from tokenmill.server.engine_process import EngineProcessHandle, freeze_startup_objects
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -159,8 +159,14 @@ async def admin_engine(ctx: Context) -> dict[str, Any]:
 # the app
 
 
-def build_app(settings: ServerSettings, config: EngineConfig, source: ModelSource | None = None) -> FastAPI:
-    """An app that starts the engine process in its lifespan and stops it on shutdown."""
+def build_app(
+    settings: ServerSettings,
+    config: EngineConfig,
+    source: ModelSource | None = None,
+    spawned: EngineProcessHandle | None = None,
+) -> FastAPI:
+    """An app that starts the engine process in its lifespan (or attaches to ``spawned``, started
+    earlier for ``config``: see ``AsyncLLM.start``) and stops it on shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -170,6 +176,7 @@ def build_app(settings: ServerSettings, config: EngineConfig, source: ModelSourc
             log_requests=settings.log_requests,
             log_level=settings.log_level.upper(),
             start_timeout=settings.engine_start_timeout,
+            spawned=spawned,
         )
         metrics = ServerMetrics(engine, settings.model_name)
         engine.listeners.append(metrics)

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import math
+import shutil
 import socket
 import sys
 
@@ -23,6 +24,7 @@ from tokenmill.frontend.tool_parsers import TOOL_PARSERS
 from tokenmill.loader import resolve_model
 from tokenmill.server.app import build_app
 from tokenmill.server.context import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from tokenmill.server.engine_process import make_socket_dir, spawn_engine_process
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -129,10 +131,19 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         config = engine_config_from_args(args)
         config.validate()
-        source = resolve_model(args.model)
     except ValueError as exc:
         sys.exit(f"tokenmill serve: {exc}")
-    app = build_app(settings, config, source)
+    # The engine process starts loading now, while this process resolves the model and starts
+    # uvicorn (a second or two of imports and reading the config): the app attaches to it.
+    engine = spawn_engine_process(config, make_socket_dir(), settings.log_level.upper())
+    try:
+        source = resolve_model(args.model)
+    except ValueError as exc:
+        engine.process.kill()
+        engine.process.wait()
+        shutil.rmtree(engine.socket_dir, ignore_errors=True)
+        sys.exit(f"tokenmill serve: {exc}")
+    app = build_app(settings, config, source, spawned=engine)
     uvicorn_config = uvicorn.Config(
         app,
         host=settings.host,

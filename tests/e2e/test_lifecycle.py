@@ -1,5 +1,6 @@
-"""Servers of their own: a full waiting queue (429), a killed engine (500 in flight, then 503), and
-shutdown by signal with a request in flight (no orphan engine process)."""
+"""Servers of their own: a full waiting queue (429), a killed engine (500 in flight, then 503),
+shutdown by signal with a request in flight (no orphan engine process), and an unknown model (its
+message, no engine left)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -118,3 +121,30 @@ def test_signal_shuts_down_with_a_stream_in_flight(tiny_model_dir: str, sig: int
     else:
         # The server stops its engine and waits for it before exiting.
         assert process_gone(engine_pid), "the engine process outlived the server"
+
+
+def engine_processes_of(parent_pid: int) -> list[int]:
+    """Pids of engine processes started by ``parent_pid`` (read from /proc: their ``--parent-pid``)."""
+    marker = f"--parent-pid\x00{parent_pid}\x00".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if marker in cmdline.read():
+                    pids.append(int(entry))
+    return pids
+
+
+def test_an_unknown_model_ends_serve_with_its_message_and_no_engine_left() -> None:
+    """The engine process starts before the server resolves the model (their start-ups overlap); a
+    model that does not resolve still ends the command with its message, and the early engine with it."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.server", "no-such-model", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "tokenmill serve: unknown model 'no-such-model'" in stderr
+    assert engine_processes_of(process.pid) == []

@@ -18,7 +18,7 @@ import tokenmill
 from tokenmill.config import EngineConfig
 from tokenmill.frontend.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.loader import ModelSource
-from tokenmill.server.context import ServerContext, ServerSettings, get_context
+from tokenmill.server.context import ServerContext, get_context
 from tokenmill.server.engine_process import EngineProcessHandle, freeze_startup_objects
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
@@ -33,6 +33,7 @@ from tokenmill.server.openai_protocol import (
 )
 from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.settings import ServerSettings
 
 Context = Annotated[ServerContext, Depends(get_context)]
 router = APIRouter()

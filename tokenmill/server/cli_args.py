@@ -21,10 +21,8 @@ from tokenmill.config import EngineConfig, build_engine_config
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS
-from tokenmill.loader import resolve_model
-from tokenmill.server.app import build_app
-from tokenmill.server.context import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from tokenmill.server.engine_process import make_socket_dir, spawn_engine_process
+from tokenmill.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -133,9 +131,12 @@ def run_server(args: argparse.Namespace) -> None:
         config.validate()
     except ValueError as exc:
         sys.exit(f"tokenmill serve: {exc}")
-    # The engine process starts loading now, while this process resolves the model and starts
-    # uvicorn (a second or two of imports and reading the config): the app attaches to it.
+    # The engine process starts loading now, while this process imports the server (FastAPI,
+    # transformers, torch: seconds), resolves the model and starts uvicorn: the app attaches to it.
     engine = spawn_engine_process(config, make_socket_dir(), settings.log_level.upper())
+    from tokenmill.loader import resolve_model
+    from tokenmill.server.app import build_app
+
     try:
         source = resolve_model(args.model)
     except ValueError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -16,36 +16,7 @@ from tokenmill.outputs import PositionLogprobDict
 from tokenmill.server.errors import APIError, bad_request, model_not_found
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openai_protocol import PromptTokensDetails, Usage
-
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-
-
-@dataclass
-class ServerSettings:
-    """How the HTTP server behaves (the engine's own settings live in ``EngineConfig``)."""
-
-    model: str
-    served_model_names: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)
-    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    log_requests: bool = False
-    log_level: str = "info"
-    access_log: bool = False
-    engine_start_timeout: float = 600.0
-    shutdown_timeout: float = 5.0
-    tool_call_parser: str | None = None  # None: detected from the chat template / architecture
-    reasoning_parser: str | None = None  # None: reasoning stays in the content
-
-    def __post_init__(self) -> None:
-        if not self.served_model_names:
-            self.served_model_names = [self.model]
-
-    @property
-    def model_name(self) -> str:
-        """The name responses report and ``/v1/models`` lists first."""
-        return self.served_model_names[0]
+from tokenmill.server.settings import ServerSettings
 
 
 class ServerContext:

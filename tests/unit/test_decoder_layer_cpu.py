@@ -24,7 +24,8 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
     return results
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: QKV biases, tied embeddings
+# qwen2: QKV biases, tied embeddings; qwen3: per-head q/k norms, head_dim 24 (not 16 * n)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_modules(
     arch: str,
     tiny_model,  # type: ignore[no-untyped-def]
@@ -41,6 +42,8 @@ def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_m
     assert model.decode_layer_weights is not None and len(model.decode_layer_weights) == 2
     has_qkv_bias = [layer.biases[0] is not None for layer in model.decode_layer_weights]
     assert has_qkv_bias == [arch == "qwen2"] * 2
+    num_weights = [len(layer.weights) for layer in model.decode_layer_weights]
+    assert num_weights == [16 if arch == "qwen3" else 14] * 2  # with the q/k norms' weights
     calls: list[int] = []
     original = fused_cpu.llama_decode_layer
 
@@ -64,9 +67,9 @@ def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_m
 
 
 def test_layers_that_the_op_does_not_compute_keep_the_modules(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    # Per-head q/k norms (Qwen3) are not in the op; without int4 weights there is nothing to fuse.
+    # Without int4 projections (random bfloat16 weights, or int8) there is nothing to fuse.
     for path, kwargs in (
-        (tiny_model("qwen3").path, {"quantization": "int4"}),
+        (tiny_model("qwen3").path, {"quantization": "int8"}),
         (tiny_model("llama").path, {}),
     ):
         llm = LLM(path, dtype="bfloat16", num_blocks=16, enable_prefix_caching=False, **kwargs)
@@ -78,7 +81,7 @@ def test_the_op_names_a_wrong_weight_or_bias_list() -> None:
     cache = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
     index = torch.zeros(1, dtype=torch.long)
     for weights, biases, message in (
-        ([hidden], [None] * 4, "weights must hold 14 tensors, got 1"),
+        ([hidden], [None] * 4, "weights must hold 14 or 16 tensors, got 1"),
         ([hidden] * 14, [None], "biases must hold 4 entries, got 1"),
     ):
         with pytest.raises(RuntimeError, match=message):

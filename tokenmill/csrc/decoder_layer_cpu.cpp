@@ -3,6 +3,7 @@
 //   residual, x = x, rms_norm(x)              (first layer: no residual yet)
 //   or x, residual = add_rms_norm(x, residual)
 //   q, k, v = int4_linear(x, qkv)             (views of one [S, (H + 2 KVH) * D] output)
+//   q, k = q_norm(q), k_norm(k)               (per head, when the layer has them: Qwen3)
 //   rotary(q, k) in place; write_kv(k, v)
 //   x = int4_linear(paged_attention_decode(q), o)
 //   x, residual = add_rms_norm(x, residual)
@@ -18,7 +19,8 @@
 //   residual     [S, hidden] bfloat16 or None (first layer: `hidden` becomes the residual); updated
 //                in place to the residual after the attention block
 //   weights      [input_norm, post_attention_norm, then (packed, scales, mins) of qkv, o, gate_up,
-//                down]: 14 tensors, int4 in layers/int4.py's format
+//                down]: 14 tensors, int4 in layers/int4.py's format; then, for a layer with per-head
+//                q/k RMSNorms, their two weights [head_dim] (16 tensors)
 //   biases       [qkv, o, gate_up, down]: each projection's bias (added to its output) or None
 //   positions    [S] int64; cos_cache / sin_cache [max_position, rotary_dim / 2] float32
 //   key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim]: row s's key and value are
@@ -28,6 +30,8 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/rsqrt.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -41,7 +45,17 @@ namespace {
 
 constexpr int64_t kAutoKernel = 0;  // int4_linear picks the row or tile kernel by row count
 constexpr size_t kNumWeights = 14;
+constexpr size_t kNumWeightsWithHeadNorms = 16;
 constexpr size_t kNumProjections = 4;
+
+// Per-head RMSNorm of q or k [S, heads, D], as layers/norm.py's RMSNorm computes it for a 3-D input
+// (the unfused torch ops, so the same kernels and bits): weight * (x / rms(x)).to(x.dtype).
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor values = x.to(at::kFloat);                                 // [S, heads, D]
+  const at::Tensor variance = values.pow(2).mean(-1, /*keepdim=*/true);      // [S, heads, 1]
+  const at::Tensor normalized = at::mul(values, at::rsqrt(at::add(variance, eps)));
+  return at::mul(weight, normalized.to(x.scalar_type()));                    // [S, heads, D]
+}
 
 at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>& residual,
                               const std::vector<at::Tensor>& weights,
@@ -50,7 +64,8 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
                               at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               double eps, double scale, int64_t window) {
-  TORCH_CHECK(weights.size() == kNumWeights, "weights must hold ", kNumWeights, " tensors, got ", weights.size());
+  TORCH_CHECK(weights.size() == kNumWeights || weights.size() == kNumWeightsWithHeadNorms, "weights must hold ",
+              kNumWeights, " or ", kNumWeightsWithHeadNorms, " tensors, got ", weights.size());
   TORCH_CHECK(biases.size() == kNumProjections, "biases must hold ", kNumProjections, " entries, got ", biases.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");
   const int64_t rows = hidden.size(0);
@@ -80,6 +95,10 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
   at::Tensor q = qkv.narrow(1, 0, q_size);            // [S, H * D], rows strided
   at::Tensor k = qkv.narrow(1, q_size, kv_size);      // [S, KVH * D]
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+  if (weights.size() == kNumWeightsWithHeadNorms) {
+    q = head_rms_norm(q.view({rows, num_heads, head_dim}), weights[14], eps).view({rows, q_size});
+    k = head_rms_norm(k.view({rows, num_kv_heads, head_dim}), weights[15], eps).view({rows, kv_size});
+  }
   ops::rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim);
   ops::write_kv(k.view({rows, num_kv_heads, head_dim}), v.view({rows, num_kv_heads, head_dim}), key_cache,
                 value_cache, slot_mapping);

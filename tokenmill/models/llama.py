@@ -168,10 +168,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def fused_decode_weights(self) -> FusedDecodeWeights | None:
         """This layer's tensors for ``fused_cpu.llama_decode_layer``, or None unless the layer is exactly
-        what that op computes: bfloat16 norms, the CPU kernel attention, static rotary, no q/k norms, a
-        SiLU ``LlamaMLP``, and all four projections on the int4 kernel without tensor parallelism."""
+        what that op computes: bfloat16 norms (q/k norms too, if any), the CPU kernel attention, static
+        rotary, a SiLU ``LlamaMLP``, and all four projections on the int4 kernel without tensor
+        parallelism."""
         attention, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, LlamaMLP) or mlp.hidden_act != "silu" or attention.q_norm is not None:
+        if not isinstance(mlp, LlamaMLP) or mlp.hidden_act != "silu":
             return None
         if not isinstance(attention.attn, CpuPagedAttention):
             return None
@@ -179,7 +180,9 @@ class LlamaDecoderLayer(nn.Module):
         if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
             return None
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if any(weight.dtype != torch.bfloat16 for weight in norms):
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        head_norms = () if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
+        if any(weight.dtype != torch.bfloat16 for weight in (*norms, *head_norms)):
             return None
         fused = FusedDecodeWeights(weights=list(norms), biases=[], max_rows=0)
         max_rows = []
@@ -190,14 +193,16 @@ class LlamaDecoderLayer(nn.Module):
             fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
             fused.biases.append(linear.bias)
             max_rows.append(int4_weight.max_rows)
+        fused.weights += head_norms
         fused.max_rows = min(max_rows)
         return fused
 
 
 @dataclass
 class FusedDecodeWeights:
-    """One layer's arguments of ``fused_cpu.llama_decode_layer``: ``weights`` (both norms' weights, then
-    the int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down), ``biases`` (those four
+    """One layer's arguments of ``fused_cpu.llama_decode_layer``: ``weights`` (both norms' weights, the
+    int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down, then the q and k norms' weights if the
+    layer has them), ``biases`` (those four
     projections' biases or None) and ``max_rows``, the most rows its int4 projections take."""
 
     weights: list[torch.Tensor]

@@ -55,6 +55,7 @@ from tokenmill.server.engine_process import (
     make_socket_dir,
     socket_addresses,
     spawn_engine_process,
+    stop_engine_process,
 )
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class AsyncLLM:
             tokenizer = source.load_tokenizer()
             ready = await _wait_ready(output, handle.process, start_timeout)
         except BaseException:
-            _kill(handle.process)
+            stop_engine_process(handle.process)
             _close_sockets(sockets, socket_dir)
             raise
         logger.info(
@@ -526,7 +527,7 @@ class AsyncLLM:
                 await asyncio.to_thread(process.wait, timeout)
             except subprocess.TimeoutExpired:
                 logger.warning("the engine process did not stop in %.0f s; terminating it", timeout)
-                await asyncio.to_thread(_kill, process)
+                await asyncio.to_thread(stop_engine_process, process)
         self._mark_dead("the server is shutting down")
         self._dispatch_task.cancel()
         with suppress(asyncio.CancelledError):
@@ -554,17 +555,6 @@ async def _wait_ready(
             raise RuntimeError(f"the engine process exited with code {code} before it was ready")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the engine was not ready after {timeout:.0f} s")
-
-
-def _kill(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if it lingers; always reaps the process."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _close_sockets(

@@ -21,7 +21,7 @@ from tokenmill.config import EngineConfig, build_engine_config
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS
-from tokenmill.server.engine_process import make_socket_dir, spawn_engine_process
+from tokenmill.server.engine_process import make_socket_dir, spawn_engine_process, stop_engine_process
 from tokenmill.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -140,8 +140,7 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         source = resolve_model(args.model)
     except ValueError as exc:
-        engine.process.kill()
-        engine.process.wait()
+        stop_engine_process(engine.process)
         shutil.rmtree(engine.socket_dir, ignore_errors=True)
         sys.exit(f"tokenmill serve: {exc}")
     app = build_app(settings, config, source, spawned=engine)

@@ -113,6 +113,17 @@ def spawn_engine_process(
     return EngineProcessHandle(process, input_address, output_address, socket_dir)
 
 
+def stop_engine_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it lingers; always reaps the process."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class EngineLoop:
     """Runs an ``EngineCore`` against the two sockets until shutdown, a fault or the parent's death.
 

@@ -80,8 +80,7 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized = self._quantize(config.model.quantization)
-            exact_int4 = self._keep_exact_int4() if config.model.quantization is None else 0
-            exact_q8 = self._keep_exact_q8() if config.model.quantization is None else 0
+            exact_int4, exact_q8 = self._keep_exact_copies() if config.model.quantization is None else (0, 0)
             for module in self.model.modules():
                 prepare = getattr(module, "prepare_for_inference", None)
                 if prepare is not None:
@@ -155,27 +154,23 @@ class ModelRunner:
                     logger.info("%s keeps its %s weights (not %s): %s", name, self.dtype, kind, skipped)
         return count
 
-    def _keep_exact_int4(self) -> int:
+    def _keep_exact_copies(self) -> tuple[int, int]:
         """On CPU in bfloat16, give the int4 kernel to every linear layer whose loaded values are
         exactly 4-bit groups (a Q4_0 / Q4_1 GGUF's layers, also through the converted-GGUF cache; any
-        other weight fails a one-row screen at once): small steps then stream a quarter of the
-        bytes and compute with the same weight values, so nothing is lost. Returns how many layers;
-        0 when the kernels are unavailable (then nothing changes: this is not an opt-in mode)."""
+        other weight fails a one-row screen at once), and the 8-bit kernel to every LM head whose
+        weight is exactly 8-bit groups (a Q8_0 tensor, such as the bundled SmolLM2's tied embedding,
+        layers/q8.py): small steps then stream a quarter / half of the bytes and compute with the
+        same weight values, so nothing is lost. Returns how many layers and heads; (0, 0) when the
+        kernels are unavailable (then nothing changes: this is not an opt-in mode)."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or load_error() is not None:
-            return 0
-        count = 0
+            return 0, 0
+        layers = heads = 0
         for module in self.model.modules():
             if isinstance(module, LinearBase) and module.quantize_weights("int4", lossless_only=True) is None:
-                count += 1
-        return count
-
-    def _keep_exact_q8(self) -> int:
-        """Like ``_keep_exact_int4``, for LM heads whose weight is exactly 8-bit groups (a Q8_0 GGUF
-        tensor, such as the bundled SmolLM2's tied embedding): single-row steps project from half the
-        bytes with the same weight values (layers/q8.py). Returns how many heads."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or load_error() is not None:
-            return 0
-        return sum(1 for m in self.model.modules() if isinstance(m, LMHead) and m.keep_exact_q8())
+                layers += 1
+            if isinstance(module, LMHead) and module.keep_exact_q8():
+                heads += 1
+        return layers, heads
 
     # ------------------------------------------------------------------ one step
 

@@ -1,5 +1,5 @@
-"""The fused CPU decode layer (``csrc/decoder_layer_cpu.cpp``): a step of decodes with int4 projections
-runs each Llama layer in one C++ call, with the same bits as the layer modules."""
+"""The fused CPU decode stack (``csrc/decoder_layer_cpu.cpp``): a step of decodes with int4 projections
+runs every Llama layer and the final norm in one C++ call, with the same bits as the modules."""
 
 from __future__ import annotations
 
@@ -39,29 +39,31 @@ def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_m
         enable_prefix_caching=False,
     )
     model = llm.engine.executor.runner.model
-    assert model.decode_layer_weights is not None and len(model.decode_layer_weights) == 2
-    has_qkv_bias = [layer.biases[0] is not None for layer in model.decode_layer_weights]
+    stack = model.decode_stack
+    assert stack is not None and len(stack.layers) == 2
+    has_qkv_bias = [layer.biases[0] is not None for layer in stack.layers]
     assert has_qkv_bias == [arch == "qwen2"] * 2
-    num_weights = [len(layer.weights) for layer in model.decode_layer_weights]
+    num_weights = [len(layer.weights) for layer in stack.layers]
     assert num_weights == [16 if arch == "qwen3" else 14] * 2  # with the q/k norms' weights
+    assert len(stack.weights) == sum(num_weights) and len(stack.biases) == 8
     calls: list[int] = []
-    original = fused_cpu.llama_decode_layer
+    original = fused_cpu.llama_decode_stack
 
     def counting(hidden: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(hidden.shape[0])
         return original(hidden, *args, **kwargs)
 
-    monkeypatch.setattr(fused_cpu, "llama_decode_layer", counting)
+    monkeypatch.setattr(fused_cpu, "llama_decode_stack", counting)
     # Different lengths: sequences finish prefill in different steps, so decode steps hold 1 to 5 rows
     # (and the steps that still hold a prompt chunk go through the modules).
     prompts = [[7 + i for i in range(length)] for length in (3, 17, 40, 9, 64)]
     fused = _generate(llm, prompts)
     assert calls and max(calls) == len(prompts) and min(calls) >= 1
-    # Every decode step of the 11 decoded tokens after the first went through the op, twice (2 layers).
-    assert len(calls) % 2 == 0 and len(calls) >= 2 * 11
+    # Every decode step of the 11 decoded tokens after the first went through the op (once a step).
+    assert len(calls) >= 11
 
     calls.clear()
-    model.decode_layer_weights = None  # the layer modules only
+    model.decode_stack = None  # the layer modules only
     assert _generate(llm, prompts) == fused
     assert not calls
 
@@ -73,30 +75,38 @@ def test_layers_that_the_op_does_not_compute_keep_the_modules(tiny_model) -> Non
         (tiny_model("llama").path, {}),
     ):
         llm = LLM(path, dtype="bfloat16", num_blocks=16, enable_prefix_caching=False, **kwargs)
-        assert llm.engine.executor.runner.model.decode_layer_weights is None
+        assert llm.engine.executor.runner.model.decode_stack is None
 
 
-def test_the_op_names_a_wrong_weight_or_bias_list() -> None:
+def test_the_op_names_a_wrong_weight_bias_or_cache_list() -> None:
     hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
     cache = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
     index = torch.zeros(1, dtype=torch.long)
-    for weights, biases, message in (
-        ([hidden], [None] * 4, "weights must hold 14 or 16 tensors, got 1"),
-        ([hidden] * 14, [None], "biases must hold 4 entries, got 1"),
+    for weights, biases, caches, message in (
+        ([hidden], [None] * 4, [cache], r"weights must hold 14 or 16 tensors per layer \(1 layers\), got 1"),
+        (
+            [hidden] * 28,
+            [None] * 8,
+            [cache],
+            r"weights must hold 14 or 16 tensors per layer \(1 layers\), got 28",
+        ),
+        ([hidden] * 28, [None] * 4, [cache] * 2, r"biases must hold 4 entries per layer \(2 layers\), got 4"),
+        ([hidden] * 14, [None] * 4, [cache[0]], r"each kv cache must be \[2, blocks, block_size, heads, D\]"),
+        ([], [], [], "kv_caches must hold one cache per layer, got none"),
     ):
         with pytest.raises(RuntimeError, match=message):
-            fused_cpu.llama_decode_layer(
+            fused_cpu.llama_decode_stack(
                 hidden,
-                None,
                 weights,
                 biases,
+                caches,
                 index,
                 hidden,
                 hidden,
-                cache,
                 index,
                 index[None],
                 index + 1,
+                hidden[0],
                 (4, 2, 16),
                 1e-6,
                 0.25,

@@ -1,4 +1,4 @@
-// One Llama-family decoder layer for a step of decodes on CPU, in one call:
+// The Llama-family decoder stack for a step of decodes on CPU, in one call. Each layer:
 //
 //   residual, x = x, rms_norm(x)              (first layer: no residual yet)
 //   or x, residual = add_rms_norm(x, residual)
@@ -8,25 +8,28 @@
 //   x = int4_linear(paged_attention_decode(q), o)
 //   x, residual = add_rms_norm(x, residual)
 //   return int4_linear(silu_and_mul(int4_linear(x, gate_up)), down)
+// and after the last layer: x, residual = add_rms_norm(x, residual) with the final norm's weight.
 //
 // Why: with int4 weights a single-sequence decode step of a small model spends about as long in
 // Python and the dispatcher (about 12 operator calls and a dozen module calls per layer) as in the
-// kernels' memory traffic. This op chains the same kernels (cpu_ops.h) in the same order on the same
-// tensors, so its results are bitwise those of the unfused layer in models/llama.py.
+// kernels' memory traffic; one call per layer still cost ~20 us of Python and argument boxing each
+// (SmolLM2: 30 layers, ~0.6 ms of a 10 ms step). This op chains the same kernels (cpu_ops.h) in the
+// same order on the same tensors, so its results are bitwise those of the layer modules in
+// models/llama.py followed by the model's final norm.
 //
-// Contract (tokenmill::llama_decode_layer):
-//   hidden       [S, hidden] bfloat16, contiguous: the previous layer's output (overwritten)
-//   residual     [S, hidden] bfloat16 or None (first layer: `hidden` becomes the residual); updated
-//                in place to the residual after the attention block
-//   weights      [input_norm, post_attention_norm, then (packed, scales, mins) of qkv, o, gate_up,
-//                down]: 14 tensors, int4 in layers/int4.py's format; then, for a layer with per-head
-//                q/k RMSNorms, their two weights [head_dim] (16 tensors)
-//   biases       [qkv, o, gate_up, down]: each projection's bias (added to its output) or None
-//   positions    [S] int64; cos_cache / sin_cache [max_position, rotary_dim / 2] float32
-//   key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim]: row s's key and value are
+// Contract (tokenmill::llama_decode_stack), L layers:
+//   hidden       [S, hidden] bfloat16, contiguous: the embeddings (overwritten)
+//   weights      per layer, in order: [input_norm, post_attention_norm, then (packed, scales, mins) of
+//                qkv, o, gate_up, down]: 14 tensors, int4 in layers/int4.py's format; then, for layers
+//                with per-head q/k RMSNorms, their two weights [head_dim] (16 tensors): 14 L or 16 L
+//   biases       per layer [qkv, o, gate_up, down]: each projection's bias (added to its output) or
+//                None: 4 L entries
+//   kv_caches    per layer [2, num_blocks, block_size, kv_heads, head_dim]: row s's key and value are
 //                stored at slot_mapping[s] before attention
+//   positions    [S] int64; cos_cache / sin_cache [max_position, rotary_dim / 2] float32
 //   block_tables [S, max_blocks] and seq_lens [S] int64: each row is one sequence's decode
-//   returns      [S, hidden] bfloat16: the layer's output before the next residual add
+//   final_norm   [hidden] bfloat16
+//   returns      [S, hidden] bfloat16: the final norm's output (the LM head's input)
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -57,30 +60,40 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
   return at::mul(weight, normalized.to(x.scalar_type()));                    // [S, heads, D]
 }
 
-at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>& residual,
-                              const std::vector<at::Tensor>& weights,
-                              const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& positions,
-                              const at::Tensor& cos_cache, const at::Tensor& sin_cache, at::Tensor key_cache,
-                              at::Tensor value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                              const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                              double eps, double scale, int64_t window) {
-  TORCH_CHECK(weights.size() == kNumWeights || weights.size() == kNumWeightsWithHeadNorms, "weights must hold ",
-              kNumWeights, " or ", kNumWeightsWithHeadNorms, " tensors, got ", weights.size());
-  TORCH_CHECK(biases.size() == kNumProjections, "biases must hold ", kNumProjections, " entries, got ", biases.size());
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");
+// The tensors of one step shared by every layer.
+struct StepInputs {
+  const at::Tensor& positions;
+  const at::Tensor& cos_cache;
+  const at::Tensor& sin_cache;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  int64_t window;
+};
+
+// One layer: `weights` are this layer's (kNumWeights or kNumWeightsWithHeadNorms), its biases
+// biases[first_bias + p] for projection p. `hidden` is overwritten; `skip` is the residual stream, undefined before the
+// first layer (then `hidden` becomes it) and updated in place. Returns the layer's output.
+at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::Tensor> weights,
+                        const c10::List<std::optional<at::Tensor>>& biases, size_t first_bias,
+                        const at::Tensor& kv_cache,
+                        const StepInputs& step) {
   const int64_t rows = hidden.size(0);
+  const int64_t num_heads = step.num_heads, num_kv_heads = step.num_kv_heads, head_dim = step.head_dim;
+  const double eps = step.eps;
   const at::Tensor &input_norm = weights[0], &post_norm = weights[1];
   // Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of x, its bias added as the layer module adds it.
   const auto linear = [&](const at::Tensor& x, size_t p) {
     const size_t first = 2 + 3 * p;
     at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
-    const std::optional<at::Tensor> bias = biases.get(p);
+    const std::optional<at::Tensor> bias = biases.get(first_bias + p);
     return bias.has_value() ? at::add(out, *bias) : out;
   };
 
-  at::Tensor normed, skip;
-  if (residual.has_value()) {
-    skip = *residual;
+  at::Tensor normed;
+  if (skip.defined()) {
     ops::add_rms_norm(hidden, skip, input_norm, eps);
     normed = hidden;
   } else {
@@ -99,12 +112,13 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
     q = head_rms_norm(q.view({rows, num_heads, head_dim}), weights[14], eps).view({rows, q_size});
     k = head_rms_norm(k.view({rows, num_kv_heads, head_dim}), weights[15], eps).view({rows, kv_size});
   }
-  ops::rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim);
+  ops::rotary_embedding(step.positions, q, k, step.cos_cache, step.sin_cache, head_dim);
+  const at::Tensor key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
   ops::write_kv(k.view({rows, num_kv_heads, head_dim}), v.view({rows, num_kv_heads, head_dim}), key_cache,
-                value_cache, slot_mapping);
-  const at::Tensor attended = ops::paged_attention_decode(q.view({rows, num_heads, head_dim}), key_cache,
-                                                          value_cache, block_tables, seq_lens, scale,
-                                                          window);  // [S, H, D]
+                value_cache, step.slot_mapping);
+  const at::Tensor attended =
+      ops::paged_attention_decode(q.view({rows, num_heads, head_dim}), key_cache, value_cache, step.block_tables,
+                                  step.seq_lens, step.scale, step.window);  // [S, H, D]
 
   at::Tensor x = linear(attended.view({rows, q_size}), 1);  // [S, hidden]
   ops::add_rms_norm(x, skip, post_norm, eps);
@@ -112,16 +126,46 @@ at::Tensor llama_decode_layer(at::Tensor hidden, const std::optional<at::Tensor>
   return linear(ops::silu_and_mul(gate_up), 3);              // [S, hidden]
 }
 
+at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& weights,
+                              const c10::List<std::optional<at::Tensor>>& biases,
+                              const std::vector<at::Tensor>& kv_caches, const at::Tensor& positions,
+                              const at::Tensor& cos_cache, const at::Tensor& sin_cache, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& final_norm,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                              int64_t window) {
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layers > 0, "kv_caches must hold one cache per layer, got none");
+  const size_t per_layer = weights.size() / layers;
+  TORCH_CHECK(weights.size() % layers == 0 && (per_layer == kNumWeights || per_layer == kNumWeightsWithHeadNorms),
+              "weights must hold ", kNumWeights, " or ", kNumWeightsWithHeadNorms, " tensors per layer (", layers,
+              " layers), got ", weights.size());
+  TORCH_CHECK(biases.size() == kNumProjections * layers, "biases must hold ", kNumProjections,
+              " entries per layer (", layers, " layers), got ", biases.size());
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");
+  for (const at::Tensor& cache : kv_caches) {
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "each kv cache must be [2, blocks, block_size, heads, D]");
+  }
+  const StepInputs step{positions, cos_cache,    sin_cache, slot_mapping, block_tables, seq_lens, num_heads,
+                        num_kv_heads, head_dim, eps,       scale,        window};
+  const c10::ArrayRef<at::Tensor> all_weights(weights);
+  at::Tensor skip;  // the residual stream: undefined until the first layer makes `hidden` it
+  for (size_t layer = 0; layer < layers; ++layer) {
+    hidden = decode_layer(hidden, skip, all_weights.slice(per_layer * layer, per_layer), biases,
+                          kNumProjections * layer, kv_caches[layer], step);  // [S, hidden]
+  }
+  ops::add_rms_norm(hidden, skip, final_norm, eps);
+  return hidden;
+}
+
 }  // namespace
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
-      "llama_decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor?[] biases, "
-      "Tensor positions, "
-      "Tensor cos_cache, Tensor sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float eps, "
+      "llama_decode_stack(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, Tensor(b!)[] kv_caches, "
+      "Tensor positions, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_layer", &tokenmill::llama_decode_layer); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }

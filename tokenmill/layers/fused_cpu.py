@@ -76,41 +76,40 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.silu_and_mul(gate_up)  # [rows, size]
 
 
-def llama_decode_layer(
-    hidden: torch.Tensor,  # [S, hidden] bfloat16, contiguous; overwritten
-    residual: torch.Tensor | None,  # [S, hidden] bfloat16, updated in place; None in the first layer
-    weights: list[torch.Tensor],  # see models/llama.FusedDecodeWeights
-    biases: list[torch.Tensor | None],  # qkv, o, gate_up, down
+def llama_decode_stack(
+    hidden: torch.Tensor,  # [S, hidden] bfloat16, contiguous: the embeddings; overwritten
+    weights: list[torch.Tensor],  # every layer's, in order: see models/llama.FusedDecodeWeights
+    biases: list[torch.Tensor | None],  # every layer's qkv, o, gate_up, down
+    kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim] bfloat16
     positions: torch.Tensor,  # [S] int64
     cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
     sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim] bfloat16
     slot_mapping: torch.Tensor,  # [S] int64
     block_tables: torch.Tensor,  # [S, max_blocks] int64
     seq_lens: torch.Tensor,  # [S] int64
+    final_norm: torch.Tensor,  # [hidden] bfloat16
     shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
     eps: float,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """One Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
-    any), in one C++ call (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the
-    unfused layer, so the same bits. When ``residual`` is None, ``hidden`` becomes the residual (as in
-    the unfused layer); returns the layer's output ``[S, hidden]``."""
+    """Every Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
+    any), then the final norm, in one C++ call (``csrc/decoder_layer_cpu.cpp``): the same kernels in
+    the same order as the layer modules and the model's norm, so the same bits. Returns the final
+    norm's output ``[S, hidden]``."""
     num_heads, num_kv_heads, head_dim = shape
-    return torch.ops.tokenmill.llama_decode_layer(
+    return torch.ops.tokenmill.llama_decode_stack(
         hidden,
-        residual,
         weights,
         biases,
+        kv_caches,
         positions,
         cos_cache,
         sin_cache,
-        kv_cache[0],
-        kv_cache[1],
         slot_mapping,
         block_tables,
         seq_lens,
+        final_norm,
         num_heads,
         num_kv_heads,
         head_dim,

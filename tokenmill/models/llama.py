@@ -167,7 +167,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def fused_decode_weights(self) -> FusedDecodeWeights | None:
-        """This layer's tensors for ``fused_cpu.llama_decode_layer``, or None unless the layer is exactly
+        """This layer's tensors for ``fused_cpu.llama_decode_stack``, or None unless the layer is exactly
         what that op computes: bfloat16 norms (q/k norms too, if any), the CPU kernel attention, static
         rotary, a SiLU ``LlamaMLP``, and all four projections on the int4 kernel without tensor
         parallelism."""
@@ -200,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
 
 @dataclass
 class FusedDecodeWeights:
-    """One layer's arguments of ``fused_cpu.llama_decode_layer``: ``weights`` (both norms' weights, the
+    """One layer's tensors for ``fused_cpu.llama_decode_stack``: ``weights`` (both norms' weights, the
     int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down, then the q and k norms' weights if the
     layer has them), ``biases`` (those four
     projections' biases or None) and ``max_rows``, the most rows its int4 projections take."""
@@ -208,6 +208,24 @@ class FusedDecodeWeights:
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
     max_rows: int
+
+
+@dataclass
+class FusedDecodeStack:
+    """The arguments of ``fused_cpu.llama_decode_stack`` that do not change between steps: every
+    layer's ``weights`` and ``biases`` in layer order (``layers`` keeps them per layer), and
+    ``max_rows``, the most rows every layer's int4 projections take."""
+
+    layers: list[FusedDecodeWeights]
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    max_rows: int
+
+    @classmethod
+    def of(cls, layers: list[FusedDecodeWeights]) -> FusedDecodeStack:
+        weights = [tensor for layer in layers for tensor in layer.weights]
+        biases = [bias for layer in layers for bias in layer.biases]
+        return cls(layers, weights, biases, min(layer.max_rows for layer in layers))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -233,9 +251,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
-        # Per layer, the tensors of the fused CPU decode layer (see prepare_for_inference).
-        self.decode_layer_weights: list[FusedDecodeWeights] | None = None
-        self.decode_layer_max_rows = 0
+        # The tensors of the fused CPU decode stack (see prepare_for_inference).
+        self.decode_stack: FusedDecodeStack | None = None
 
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
         """The feed-forward of layer ``layer_index``; mixture-of-experts families override this."""
@@ -259,26 +276,21 @@ class LlamaForCausalLM(nn.Module):
         return self.args.num_layers
 
     def prepare_for_inference(self) -> None:
-        """Collect every layer's tensors for the fused CPU decode layer (all layers fit it, or it is
+        """Collect every layer's tensors for the fused CPU decode stack (all layers fit it, or it is
         not used); the model runner calls this once the weights are final."""
-        self.decode_layer_weights = None
-        self.decode_layer_max_rows = 0
+        self.decode_stack = None
         per_layer = [cast(LlamaDecoderLayer, layer).fused_decode_weights() for layer in self.layers]
         fitting = [entry for entry in per_layer if entry is not None]
-        if fitting and len(fitting) == len(per_layer):
-            self.decode_layer_weights = fitting
-            self.decode_layer_max_rows = min(layer.max_rows for layer in fitting)
+        if fitting and len(fitting) == len(per_layer) and self.norm.weight.dtype == torch.bfloat16:
+            self.decode_stack = FusedDecodeStack.of(fitting)
 
     def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The decoder stack through ``fused_cpu.llama_decode_layer`` when this step is decodes only
-        and every layer fits it (``prepare_for_inference``); None otherwise, for the layer modules."""
-        layer_weights = self.decode_layer_weights
+        """The decoder stack and the final norm through ``fused_cpu.llama_decode_stack`` when this step
+        is decodes only and every layer fits it (``prepare_for_inference``); None otherwise, for the
+        layer modules."""
+        stack = self.decode_stack
         num_tokens = hidden.shape[0]
-        if (
-            layer_weights is None
-            or num_tokens > self.decode_layer_max_rows
-            or not fused_cpu.applies_to(hidden)
-        ):
+        if stack is None or num_tokens > stack.max_rows or not fused_cpu.applies_to(hidden):
             return None
         backend = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn
         rotary = self.rotary
@@ -288,30 +300,23 @@ class LlamaForCausalLM(nn.Module):
             return None
         assert group.block_tables is not None and group.seq_lens is not None
         args = self.args
-        shape = (args.num_heads, args.num_kv_heads, args.head_dim)
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(layer_weights, batch.kv_caches):
-            out = fused_cpu.llama_decode_layer(
-                hidden,
-                residual,
-                layer.weights,
-                layer.biases,
-                batch.positions,
-                rotary.cos_cache,
-                rotary.sin_cache,
-                kv_cache,
-                batch.attn.slot_mapping,
-                group.block_tables,
-                group.seq_lens,
-                shape,
-                args.rms_norm_eps,
-                backend.scale,
-                group.sliding_window,
-            )  # [num_tokens, hidden_size]
-            residual = hidden if residual is None else residual
-            hidden = out
-        hidden, _ = self.norm(hidden, residual)
-        return hidden  # [num_tokens, hidden_size]
+        return fused_cpu.llama_decode_stack(
+            hidden,
+            stack.weights,
+            stack.biases,
+            batch.kv_caches,
+            batch.positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            batch.attn.slot_mapping,
+            group.block_tables,
+            group.seq_lens,
+            self.norm.weight,
+            (args.num_heads, args.num_kv_heads, args.head_dim),
+            args.rms_norm_eps,
+            backend.scale,
+            group.sliding_window,
+        )  # [num_tokens, hidden_size]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]

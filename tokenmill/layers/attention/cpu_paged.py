@@ -136,7 +136,7 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> AttentionGroup | None:
         """The step's group when every one of its ``num_tokens`` rows is a decode that ``forward`` would
         attend with the kernel in row order (one group, one query per sequence, rows in sequence
-        order), else None. The fused decoder layer (``fused_cpu.llama_decode_layer``) runs such steps."""
+        order), else None. The fused decode stack (``fused_cpu.llama_decode_stack``) runs such steps."""
         if len(metadata.groups) != 1:
             return None
         group = metadata.groups[0]

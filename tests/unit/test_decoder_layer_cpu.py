@@ -68,6 +68,40 @@ def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_m
     assert not calls
 
 
+def test_steps_with_short_prompt_chunks_run_fused_with_the_same_results(
+    tiny_model,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 24-token step budget cuts the prompts into short chunks beside the other sequences' decodes:
+    # the attention attends every row as a decode (rows_as_decodes), and so does the fused stack.
+    llm = LLM(
+        tiny_model("qwen2").path,
+        dtype="bfloat16",
+        quantization="int4",
+        num_blocks=64,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=24,
+    )
+    model = llm.engine.executor.runner.model
+    calls: list[int] = []
+    original = fused_cpu.llama_decode_stack
+
+    def counting(hidden: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "llama_decode_stack", counting)
+    prompts = [[7 + i for i in range(length)] for length in (30, 5, 47, 12)]
+    fused = _generate(llm, prompts)
+    # Steps holding prompt chunks went through the op: more rows than sequences.
+    assert max(calls) > len(prompts)
+
+    calls.clear()
+    model.decode_stack = None  # the layer modules only
+    assert _generate(llm, prompts) == fused
+    assert not calls
+
+
 def test_layers_that_the_op_does_not_compute_keep_the_modules(tiny_model) -> None:  # type: ignore[no-untyped-def]
     # Without int4 projections (random bfloat16 weights, or int8) there is nothing to fuse.
     for path, kwargs in (

@@ -285,9 +285,11 @@ class LlamaForCausalLM(nn.Module):
             self.decode_stack = FusedDecodeStack.of(fitting)
 
     def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The decoder stack and the final norm through ``fused_cpu.llama_decode_stack`` when this step
-        is decodes only and every layer fits it (``prepare_for_inference``); None otherwise, for the
-        layer modules."""
+        """The decoder stack and the final norm through ``fused_cpu.llama_decode_stack`` when the
+        attention backend attends every row of this step as a decode (a step of decodes, or one whose
+        prompt chunks are all short: ``CpuPagedAttention.kernel_rows``), the rows fit the int4 kernels
+        and every layer fits the op (``prepare_for_inference``); None otherwise, for the layer
+        modules."""
         stack = self.decode_stack
         num_tokens = hidden.shape[0]
         if stack is None or num_tokens > stack.max_rows or not fused_cpu.applies_to(hidden):
@@ -295,10 +297,10 @@ class LlamaForCausalLM(nn.Module):
         backend = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn
         rotary = self.rotary
         assert isinstance(backend, CpuPagedAttention) and isinstance(rotary, RotaryEmbedding)
-        group = backend.decode_only_group(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
-        if group is None:
+        rows = backend.kernel_rows(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
+        if rows is None:
             return None
-        assert group.block_tables is not None and group.seq_lens is not None
+        block_tables, seq_lens, window = rows
         args = self.args
         return fused_cpu.llama_decode_stack(
             hidden,
@@ -309,13 +311,13 @@ class LlamaForCausalLM(nn.Module):
             rotary.cos_cache,
             rotary.sin_cache,
             batch.attn.slot_mapping,
-            group.block_tables,
-            group.seq_lens,
+            block_tables,
+            seq_lens,
             self.norm.weight,
             (args.num_heads, args.num_kv_heads, args.head_dim),
             args.rms_norm_eps,
             backend.scale,
-            group.sliding_window,
+            window,
         )  # [num_tokens, hidden_size]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

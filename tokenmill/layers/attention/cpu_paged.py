@@ -47,7 +47,7 @@ class CpuPagedAttention(TorchPagedAttention):
         short (every row a decode of its own); anything else goes group by group."""
         groups = metadata.groups
         has_chunks = any(g.num_queries > 1 for g in groups)
-        if has_chunks and all(self._kernel_takes_short_chunks(query, kv_cache, g) for g in groups):
+        if has_chunks and all(self._kernel_takes_short_chunks(query.dtype, kv_cache, g) for g in groups):
             self._store_kv(key, value, kv_cache, metadata.slot_mapping)
             block_tables, seq_lens = metadata.rows_as_decodes()
             window = groups[0].sliding_window
@@ -118,7 +118,7 @@ class CpuPagedAttention(TorchPagedAttention):
             super()._store_kv(key, value, kv_cache, slot_mapping)
 
     def _kernel_takes_short_chunks(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
+        self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup
     ) -> bool:
         """Whether ``group`` can join a step where every row attends as a decode of its own. Not in
         float32: that is the mode checked against transformers to 1e-4, and SDPA's matrix kernels and
@@ -126,28 +126,37 @@ class CpuPagedAttention(TorchPagedAttention):
         moved by 1.0e-4); float32 prompts keep the reference."""
         return (
             group.num_queries <= SHORT_CHUNK_MAX_QUERIES
-            and query.dtype != torch.float32
+            and dtype != torch.float32
             and group.spans is not None
-            and self._kernel_handles(query.dtype, kv_cache, group, any_queries=True)
+            and self._kernel_handles(dtype, kv_cache, group, any_queries=True)
         )
 
-    def decode_only_group(
+    def kernel_rows(
         self, metadata: AttentionMetadata, num_tokens: int, dtype: torch.dtype, kv_cache: torch.Tensor
-    ) -> AttentionGroup | None:
-        """The step's group when every one of its ``num_tokens`` rows is a decode that ``forward`` would
-        attend with the kernel in row order (one group, one query per sequence, rows in sequence
-        order), else None. The fused decode stack (``fused_cpu.llama_decode_stack``) runs such steps."""
-        if len(metadata.groups) != 1:
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None] | None:
+        """``(block_tables [T, max_blocks], seq_lens [T], sliding_window)`` when ``forward`` attends every
+        one of the step's ``num_tokens`` rows with one kernel call, each row a decode of its own in row
+        order: a step of decodes only (one group, one query per sequence, rows in sequence order), or
+        one whose prompt chunks are all short (``AttentionMetadata.rows_as_decodes``); else None. The
+        fused decode stack (``fused_cpu.llama_decode_stack``) runs such steps with these arguments."""
+        groups = metadata.groups
+        if any(g.num_queries > 1 for g in groups):
+            if not all(self._kernel_takes_short_chunks(dtype, kv_cache, g) for g in groups):
+                return None
+            block_tables, seq_lens = metadata.rows_as_decodes()
+            return block_tables, seq_lens, groups[0].sliding_window
+        if len(groups) != 1:
             return None
-        group = metadata.groups[0]
+        group = groups[0]
         if (
             group.first_row != 0
             or not self._kernel_handles(dtype, kv_cache, group)
             or group.block_tables is None
+            or group.seq_lens is None
             or group.block_tables.shape[0] != num_tokens
         ):
             return None
-        return group
+        return group.block_tables, group.seq_lens, group.sliding_window
 
     def _kernel_handles(
         self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup, any_queries: bool = False

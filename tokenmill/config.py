@@ -153,7 +153,8 @@ class SchedulerConfig:
     (1 when absent). ``slo_margin`` is the fraction of a latency target at which a tier counts as
     about to miss it. While a tier has a TTFT target, the tiers worse than it get prefill chunks no
     larger than keeps a step's predicted time within ``ttft_step_fraction`` of the tightest TTFT
-    target (``core/step_time.py`` predicts it), and a step where a request of that tier waits for
+    target (``core/step_time.py`` predicts it) and within the median of that tier's recent
+    first-token steps of their own, and a step where a request of that tier waits for
     its first token serves only that tier and better ones, at most ``max_exclusive_steps`` steps in
     a row (0: never) before a step serves everyone.
     """

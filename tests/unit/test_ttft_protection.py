@@ -102,10 +102,32 @@ def test_the_model_stays_non_negative_and_cautious_on_ambiguous_data() -> None:
     ]:
         model.observe(num_tokens, num_seqs, seconds)
     assert min(model.coefficients) >= 0.0  # type: ignore[arg-type]
-    # A machine with no measured per-token cost puts no bound on tokens.
+    # A machine with no measured per-token cost: bounded by twice the largest step seen.
     model = StepTimeModel(min_observations=1)
     model.observe(10, 2, 0.0)
-    assert model.tokens_within(1.0, 1) is None
+    assert model.tokens_within(1.0, 1) == 20
+
+
+def test_the_model_bounds_tokens_near_the_steps_it_has_seen() -> None:
+    # Short steps of 20 or 22 tokens whose time follows their sequence count: the fit finds no
+    # per-token cost, and the answer is twice the largest recent step, not "any number of tokens".
+    model = StepTimeModel(decay=0.98, min_observations=5)
+    shapes = [(20, 8), (22, 4), (22, 8)]
+    for k in range(30):
+        num_tokens, num_seqs = shapes[k % 3]
+        model.observe(num_tokens, num_seqs, 0.010 + 0.002 * num_seqs)
+    assert model.coefficients == pytest.approx((0.010, 0.0, 0.002))
+    assert model.tokens_within(0.05, 4) == 44
+    # With a per-token cost, the fit's answer, up to twice the largest recent step (which decays).
+    model = StepTimeModel(decay=0.5, min_observations=5)
+    for num_tokens, num_seqs in [(8, 8), (300, 1), (40, 9), (512, 3), (100, 5)]:
+        model.observe(num_tokens, num_seqs, FIXED + PER_TOKEN * num_tokens + PER_SEQ * num_seqs)
+    # 512 * 0.5 ** 1 = 256 after one more step: at most 512 tokens, where the fit alone allows 1,990.
+    assert model.tokens_within(1.0, 1) == 512 * 2 * 0.5**1
+    for _ in range(3):
+        model.observe(8, 8, FIXED + PER_TOKEN * 8 + PER_SEQ * 8)
+    assert model.tokens_within(1.0, 1) == 2 * 512 * 0.5**4
+    assert model.tokens_within(0.0106, 1) == 15  # the fit's own bound, below the cap
 
 
 def test_the_model_follows_a_machine_that_slows_down_but_not_one_freak_step() -> None:
@@ -204,6 +226,28 @@ def test_a_priority_request_gets_its_first_token_in_the_first_step_after_it_arri
     plan = h.step()
     assert ids(plan)[0] == "vip" and worse_tokens(plan) > 0
     h.run()
+
+
+def test_worse_tiers_steps_take_no_longer_than_the_priority_tiers_first_token_steps() -> None:
+    # Before any priority request, worse tiers fill steps up to a third of the 100 ms target. A
+    # priority request's 40-token prefill then takes a step of its own of 23 ms: from then on the
+    # step in flight when the next one arrives takes no longer than that, so its TTFT under load is
+    # within twice its TTFT alone.
+    h = loaded_harness()
+    for k in range(12):  # a longer backlog: prompts keep being admitted and cut
+        h.add(f"more-{k}", prompt_of(300, 300 + k), max_tokens=LOAD_OUTPUT, user=f"u{k % 3}")
+    before = [step_seconds(h.step()) for _ in range(40)]
+    assert max(before[5:]) > TARGET - PER_TOKEN - PER_SEQ
+    h.add("vip", prompt_of(40, 900), max_tokens=2, service_tier="priority")
+    own = step_seconds(h.step())
+    assert own == pytest.approx(FIXED + 40 * PER_TOKEN + PER_SEQ)  # 23 ms, alone
+    after = []
+    while h.scheduler.has_unfinished():
+        after.append(step_seconds(h.step()))
+    assert max(after) <= own + 1e-12
+    assert sum(t > own - PER_TOKEN - PER_SEQ for t in after) > 20  # and they use what it allows
+    h.assert_all_blocks_back()
+    h.assert_outputs_match_reference()
 
 
 def test_a_long_priority_prompt_is_prefilled_in_steps_of_its_own_up_to_the_streak_bound() -> None:

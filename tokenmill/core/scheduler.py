@@ -9,14 +9,16 @@ before its waiting ones. When blocks run out, the lowest-ranked running request 
 most recently admitted) is preempted: its blocks are released and it is recomputed later. Requests
 past their deadline end with ``timeout`` at the start of a step. While a tier has a TTFT target,
 worse tiers' chunks are cut to keep steps short (``core/step_time.py`` predicts step times from the
-measured ones the engine core reports) and a step where a request of that tier awaits its first
-token serves only that tier and better ones. Token ids only; no torch.
+measured ones the engine core reports), no longer than that tier's recent first-token steps take,
+and a step where a request of that tier awaits its first token serves only that tier and better
+ones. Token ids only; no torch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
     from tokenmill.structured.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
+
+# How many recent first-token steps of their own bound the steps of worse tiers (their median).
+FIRST_TOKEN_STEPS_KEPT = 16
 
 
 @dataclass
@@ -75,6 +80,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
     grammar_bitmask: GrammarBitmask | None = None
+    # The step serves only a tier awaiting a first token within its TTFT target (and better ones).
+    first_token_exclusive: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +127,8 @@ class Scheduler:
         self.step_time = step_time if step_time is not None else StepTimeModel()
         # Consecutive steps that served only a tier awaiting a first token within a TTFT target.
         self._exclusive_streak = 0
+        # Measured seconds of the recent such steps (see _step_time_target).
+        self._first_token_step_times: deque[float] = deque(maxlen=FIRST_TOKEN_STEPS_KEPT)
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
         self.fairness = (
@@ -256,7 +265,10 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted + num_made_room
         return SchedulerOutput(
-            scheduled=plan, finished_request_ids=finished, num_preempted=num_preempted + num_made_room
+            scheduled=plan,
+            finished_request_ids=finished,
+            num_preempted=num_preempted + num_made_room,
+            first_token_exclusive=exclusive,
         )
 
     def _step_budget(self, now: float) -> StepBudget:
@@ -272,7 +284,7 @@ class Scheduler:
         sequence for a prefill chunk or admission. It is never below one block, so bounded tiers'
         prefills and admissions keep moving even when the decodes alone fill the target.
         """
-        target = self.tiers.step_time_target
+        target = self._step_time_target()
         if target is None:
             return None
         num_running = len(self.running)
@@ -280,6 +292,18 @@ class Scheduler:
         if fit is None:
             return None
         return max(self.kv.block_size, fit - num_running)
+
+    def _step_time_target(self) -> float | None:
+        """Seconds a step serving bounded tiers should be predicted to take at most: the configured
+        fraction of the tightest TTFT target (``TierTable.step_time_target``), and no more than the
+        median of the recent steps that served a first token on their own. A request of the
+        protected tier waits for the step in flight, then for its own step; with the first no longer
+        than the second, its TTFT under any load stays within about twice its TTFT on an idle
+        server, whatever target was configured. None without a TTFT target."""
+        target = self.tiers.step_time_target
+        if target is None or not self._first_token_step_times:
+            return target
+        return min(target, statistics.median(self._first_token_step_times))
 
     def _exclusive_rank(self) -> int | None:
         """The rank of the best tier with a request awaiting its first token within a TTFT target:
@@ -487,6 +511,8 @@ class Scheduler:
         """Feed the measured wall time of ``plan``'s step (schedule to update) to the step-time model."""
         if not plan.is_empty:
             self.step_time.observe(plan.num_tokens, len(plan.scheduled), seconds)
+        if plan.first_token_exclusive:
+            self._first_token_step_times.append(seconds)
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []

@@ -17,13 +17,16 @@ is kept, which is the cautious one for bounding prefill chunks. Squared errors m
 (a page-fault storm, a garbage-collector pause, another process taking the cores) weigh for a long
 time, so once the model predicts, an observation is counted as at most ``outlier_factor`` times its
 prediction: a machine that really slows down is still followed, by that factor per step at most.
-Ints and floats only, no torch.
+A fit is trusted only near the steps it has seen: ``tokens_within`` never answers more than
+``TRUST_FACTOR`` times the largest recent step. Ints and floats only, no torch.
 """
 
 from __future__ import annotations
 
 import math
 
+# tokens_within answers at most this many times the largest recent step (in tokens).
+TRUST_FACTOR = 2.0
 # Term subsets tried, in order of preference when fits are equally good (the per-token term first).
 _SUBSETS: tuple[tuple[int, ...], ...] = ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (0,), (2,))
 
@@ -49,6 +52,7 @@ class StepTimeModel:
         self._yy = 0.0
         self._fit: tuple[float, float, float] | None = None
         self._stale = False
+        self._largest_recent_step = 0.0  # tokens, decayed per observation (see tokens_within)
 
     def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Record that a step of ``num_tokens`` tokens over ``num_seqs`` sequences took ``seconds``."""
@@ -63,6 +67,7 @@ class StepTimeModel:
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
             self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
         self._yy = self.decay * self._yy + seconds * seconds
+        self._largest_recent_step = max(float(num_tokens), self.decay * self._largest_recent_step)
         self.num_observations += 1
         self._stale = True
 
@@ -86,13 +91,23 @@ class StepTimeModel:
 
     def tokens_within(self, seconds: float, num_seqs: int) -> int | None:
         """The most tokens a step over ``num_seqs`` sequences may hold and be predicted to take at most
-        ``seconds`` (0 when even an empty one would not). None when that is unknown: too few steps
-        observed, or no per-token cost measured (nothing to bound a step's tokens by)."""
+        ``seconds`` (0 when even an empty one would not). None before ``min_observations`` steps.
+
+        The fit is trusted only near the steps it has seen: the answer is at most
+        ``TRUST_FACTOR`` times the largest recent step (in tokens, decayed by ``decay`` per step).
+        Steps kept short vary little in tokens, so the best fit over them may put (almost) every
+        cost on the fixed and per-sequence terms; that does not mean tokens are free, and without
+        this cap the next step could take a whole prompt (seen on a server: a 600-token step of
+        270 ms among steps of 20 ms whenever the fit lost its per-token term). A larger step
+        than the fit has seen is thus approached a factor at a time, each teaching the fit."""
         fit = self.coefficients
-        if fit is None or fit[1] <= 0.0:
+        if fit is None:
             return None
         a, b, c = fit
-        return max(0, math.floor((seconds - a - c * num_seqs) / b))
+        trusted = math.floor(TRUST_FACTOR * self._largest_recent_step)
+        if b <= 0.0:
+            return trusted
+        return max(0, min(trusted, math.floor((seconds - a - c * num_seqs) / b)))
 
     def _solve(self) -> tuple[float, float, float] | None:
         best: tuple[float, float, float] | None = None

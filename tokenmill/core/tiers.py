@@ -13,7 +13,10 @@ TTFT targets are protected before they are at risk. A request of the best tier w
 that arrives must wait for the step in flight, then for its own prefill. So while any tier has a
 TTFT target, the tiers worse than it (``bounded_tiers``) are held, proactively, to prefill chunks
 that keep each step's predicted time (``core/step_time.py``, fitted to measured steps) within
-``ttft_step_fraction`` of the tightest TTFT target; their running requests still get one token each
+``ttft_step_fraction`` of the tightest TTFT target, and within the median time of that tier's recent
+first-token steps (so the step in flight when such a request arrives takes no longer than its own
+prefill: its TTFT under load stays within about twice its TTFT alone); their running requests still
+get one token each
 every step, so their decodes never stall on it. And a step in which a request of that tier waits
 for its first token serves only that tier and better ones (see ``Scheduler.schedule``), so the
 prefill runs as on an idle server. The reactive guard remains: when a request of a tier with a

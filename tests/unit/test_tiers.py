@@ -79,7 +79,10 @@ class TierHarness:
         return request
 
     def step(self) -> SchedulerOutput:
-        plan = self.scheduler.schedule()
+        return self.finish_step(self.scheduler.schedule())
+
+    def finish_step(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """Execute ``plan`` on the fake model and apply its results, as a step does."""
         assert plan.num_tokens <= self.scheduler.config.max_num_batched_tokens
         assert all(entry.token_ids for entry in plan.scheduled)
         result = self.runner.execute(plan)

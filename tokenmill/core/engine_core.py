@@ -10,9 +10,10 @@ import logging
 import time
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.executor.inprocess import InProcessExecutor
 from tokenmill.loader import ModelSource
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -64,6 +65,7 @@ class EngineCore:
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self._timed_a_step = False
+        self.num_interrupted_steps = 0  # steps abandoned for a latency-critical arrival
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
         )
@@ -103,13 +105,30 @@ class EngineCore:
         if plan.is_empty and not failed and self.structured.has_pending():
             # Everything runnable waits for a grammar: block on the compiler rather than spin.
             self.structured.wait_for_compile(timeout=0.05)
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except StepInterrupted:
+            # Abandoned between layers for a latency-critical arrival: nothing of it counts, and it
+            # is planned again after that request's step (core/interrupt.py).
+            self.scheduler.step_interrupted(plan)
+            self.num_interrupted_steps += 1
+            return self._outputs(failed, plan, forced_before)
         outputs = failed + self.scheduler.update(plan, result)
         # What a request arriving now waits for: the scheduler learns step times from these. The
         # first step pays one-time costs (lazy initialization, cold caches) and is not recorded.
         if self._timed_a_step:
             self.scheduler.record_step_time(plan, time.perf_counter() - started)
         self._timed_a_step = self._timed_a_step or not plan.is_empty
+        return self._outputs(outputs, plan, forced_before)
+
+    def set_interrupt(self, flag: InterruptFlag | None) -> None:
+        """Let steps the scheduler marks interruptible be abandoned when ``flag`` is raised
+        (``core/interrupt.py``)."""
+        self.executor.set_interrupt(flag)
+
+    def _outputs(
+        self, outputs: list[EngineCoreOutput], plan: SchedulerOutput, forced_before: int
+    ) -> EngineCoreOutputs:
         return EngineCoreOutputs(
             outputs=outputs,
             num_forced_tokens=self.scheduler.num_forced_tokens_total - forced_before,

@@ -82,6 +82,8 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None
     # The step serves only a tier awaiting a first token within its TTFT target (and better ones).
     first_token_exclusive: bool = False
+    # The model may abandon this step between layers for a latency-critical arrival (core/interrupt.py).
+    interruptible: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +131,8 @@ class Scheduler:
         self._exclusive_streak = 0
         # Measured seconds of the recent such steps (see _step_time_target).
         self._first_token_step_times: deque[float] = deque(maxlen=FIRST_TOKEN_STEPS_KEPT)
+        # Whether the last planned step was abandoned (step_interrupted): the next one is not cut.
+        self._last_step_interrupted = False
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
         self.fairness = (
@@ -264,12 +268,26 @@ class Scheduler:
         self._exclusive_streak = self._exclusive_streak + 1 if exclusive else 0
         finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted + num_made_room
+        interruptible = (
+            self.tiers.best_ttft_rank is not None
+            and not self._last_step_interrupted
+            and bool(plan)
+            and not self._plans_first_token(plan)
+        )
+        self._last_step_interrupted = False
         return SchedulerOutput(
             scheduled=plan,
             finished_request_ids=finished,
             num_preempted=num_preempted + num_made_room,
             first_token_exclusive=exclusive,
+            interruptible=interruptible,
         )
+
+    def step_interrupted(self, plan: SchedulerOutput) -> None:
+        """``plan`` was abandoned between layers (``core/interrupt.py``): nothing of it was computed, so
+        nothing changes but that the next step may not be cut (worse tiers always make progress).
+        Its requests keep their reserved blocks and are planned again."""
+        self._last_step_interrupted = True
 
     def _step_budget(self, now: float) -> StepBudget:
         total = self.config.max_num_batched_tokens

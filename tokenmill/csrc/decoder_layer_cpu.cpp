@@ -29,10 +29,14 @@
 //   positions    [S] int64; cos_cache / sin_cache [max_position, rotary_dim / 2] float32
 //   block_tables [S, max_blocks] and seq_lens [S] int64: each row is one sequence's decode
 //   final_norm   [hidden] bfloat16
-//   returns      [S, hidden] bfloat16: the final norm's output (the LM head's input)
+//   interrupt    None or [1] uint8 in memory another process may write (core/interrupt.py): read
+//                before each layer; once nonzero the step is abandoned there
+//   returns      [S, hidden] bfloat16: the final norm's output (the LM head's input), or [0, hidden]
+//                when interrupted
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/rsqrt.h>
 #include <torch/library.h>
@@ -132,7 +136,7 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
                               const at::Tensor& cos_cache, const at::Tensor& sin_cache, const at::Tensor& slot_mapping,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& final_norm,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                              int64_t window) {
+                              int64_t window, const std::optional<at::Tensor>& interrupt) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0, "kv_caches must hold one cache per layer, got none");
   const size_t per_layer = weights.size() / layers;
@@ -148,8 +152,15 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
   const StepInputs step{positions, cos_cache,    sin_cache, slot_mapping, block_tables, seq_lens, num_heads,
                         num_kv_heads, head_dim, eps,       scale,        window};
   const c10::ArrayRef<at::Tensor> all_weights(weights);
+  const volatile uint8_t* flag = nullptr;
+  if (interrupt.has_value()) {
+    TORCH_CHECK(interrupt->scalar_type() == at::kByte && interrupt->numel() >= 1 && interrupt->device().is_cpu(),
+                "interrupt must be a uint8 CPU tensor of at least one element");
+    flag = interrupt->data_ptr<uint8_t>();
+  }
   at::Tensor skip;  // the residual stream: undefined until the first layer makes `hidden` it
   for (size_t layer = 0; layer < layers; ++layer) {
+    if (flag != nullptr && *flag != 0) return at::empty({0, hidden.size(1)}, hidden.options());
     hidden = decode_layer(hidden, skip, all_weights.slice(per_layer * layer, per_layer), biases,
                           kNumProjections * layer, kv_caches[layer], step);  // [S, hidden]
   }
@@ -165,7 +176,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "llama_decode_stack(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, Tensor(b!)[] kv_caches, "
       "Tensor positions, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale, int window) -> Tensor");
+      "float scale, int window, Tensor? interrupt=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }

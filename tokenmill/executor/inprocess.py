@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.loader import ModelSource
 from tokenmill.worker.model_runner import ModelRunner
@@ -25,3 +26,7 @@ class InProcessExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(plan)
+
+    def set_interrupt(self, flag: InterruptFlag | None) -> None:
+        """See ``ModelRunner.set_interrupt``."""
+        self.runner.set_interrupt(flag)

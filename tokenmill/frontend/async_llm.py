@@ -31,6 +31,7 @@ import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.loader import ModelSource, resolve_model
@@ -172,6 +173,10 @@ class AsyncLLM:
         self.listeners: list[StatsListener] = []
         self._handle = handle
         self._sync_context, self._input, self._async_context, self._output = sockets
+        # Raised after sending a request of a tier with a TTFT target: the engine may cut the step in
+        # flight short for it (core/interrupt.py). None when the engine made no flag.
+        self._interrupt = InterruptFlag.attach(handle.socket_dir)
+        self._interrupt_tiers = config.scheduler.ttft_target_tiers()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._streams: dict[str, _Stream] = {}
@@ -297,6 +302,8 @@ class AsyncLLM:
         if self.log_requests:
             request_logger.info("request %s received: prompt=%r params=%s", request_id, prompt, params)
         self._send(AddRequests(requests=core_requests))
+        if self._interrupt is not None and service_tier in self._interrupt_tiers:
+            self._interrupt.raise_()
         try:
             await stream.accepted
             while True:
@@ -532,6 +539,8 @@ class AsyncLLM:
         self._dispatch_task.cancel()
         with suppress(asyncio.CancelledError):
             await self._dispatch_task
+        if self._interrupt is not None:
+            self._interrupt.close()
         _close_sockets(
             (self._sync_context, self._input, self._async_context, self._output), self._handle.socket_dir
         )

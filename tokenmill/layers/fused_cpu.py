@@ -17,6 +17,7 @@ import logging
 import torch
 
 from tokenmill.config import fused_cpu_ops_enabled
+from tokenmill.core.interrupt import StepInterrupted
 from tokenmill.layers.cpu_kernels import load_error
 
 logger = logging.getLogger(__name__)
@@ -92,13 +93,15 @@ def llama_decode_stack(
     eps: float,
     scale: float,
     window: int | None,
+    interrupt: torch.Tensor | None = None,  # [1] uint8 (core/interrupt.py), polled between layers
 ) -> torch.Tensor:
     """Every Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
     any), then the final norm, in one C++ call (``csrc/decoder_layer_cpu.cpp``): the same kernels in
     the same order as the layer modules and the model's norm, so the same bits. Returns the final
-    norm's output ``[S, hidden]``."""
+    norm's output ``[S, hidden]``; raises ``StepInterrupted`` if ``interrupt`` was raised before a
+    layer (the step is abandoned there)."""
     num_heads, num_kv_heads, head_dim = shape
-    return torch.ops.tokenmill.llama_decode_stack(
+    out = torch.ops.tokenmill.llama_decode_stack(
         hidden,
         weights,
         biases,
@@ -116,7 +119,11 @@ def llama_decode_stack(
         eps,
         scale,
         window or 0,
-    )  # [S, hidden]
+        interrupt,
+    )  # [S, hidden], or [0, hidden] when interrupted
+    if out.shape[0] != hidden.shape[0]:
+        raise StepInterrupted("a latency-critical request arrived")
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -318,6 +318,7 @@ class LlamaForCausalLM(nn.Module):
             args.rms_norm_eps,
             backend.scale,
             window,
+            batch.interrupt_tensor,
         )  # [num_tokens, hidden_size]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -327,6 +328,7 @@ class LlamaForCausalLM(nn.Module):
             return fused
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
+            batch.check_interrupt()  # a latency-critical arrival may cut the step short here
             hidden, residual = layer(hidden, residual, batch, index)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [num_tokens, hidden_size]

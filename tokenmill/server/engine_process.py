@@ -35,6 +35,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.protocol import (
     AbortRequests,
     AddRequests,
@@ -134,9 +135,15 @@ class EngineLoop:
     """
 
     def __init__(
-        self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int
+        self,
+        core: EngineCore,
+        input_socket: zmq.Socket,
+        output_socket: zmq.Socket,
+        parent_pid: int,
+        interrupt: InterruptFlag | None = None,
     ) -> None:
         self.core = core
+        self.interrupt = interrupt
         self.input = input_socket
         self.output = output_socket
         self.parent_pid = parent_pid
@@ -172,6 +179,9 @@ class EngineLoop:
     # ------------------------------------------------------------------ input
 
     def _drain_input(self) -> None:
+        if self.interrupt is not None:
+            # Whatever raised it is in the input now (the server raises it after sending).
+            self.interrupt.clear()
         while not self._stopping:
             try:
                 frame = self.input.recv(zmq.NOBLOCK)
@@ -316,9 +326,14 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             block_size=core.kv_manager.block_size,
             pid=os.getpid(),
         )
+        interrupt = None
+        if config.scheduler.has_ttft_target():
+            # A request of a tier with a TTFT target may cut a step short (core/interrupt.py).
+            interrupt = InterruptFlag.create(os.path.dirname(input_address.removeprefix("ipc://")))
+            core.set_interrupt(interrupt)
         output_socket.send(encoder.encode(ready))
         freeze_startup_objects()
-        return EngineLoop(core, input_socket, output_socket, parent_pid).run()
+        return EngineLoop(core, input_socket, output_socket, parent_pid, interrupt).run()
     except _Terminated:
         logger.info("engine terminated by SIGTERM")
         return 0

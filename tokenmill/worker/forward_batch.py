@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
+
 
 @dataclass
 class AttentionGroup:
@@ -126,6 +128,15 @@ class ForwardBatch:
     kv_caches: list[torch.Tensor]
     logits_rows: torch.Tensor  # [num_logit_rows] int64
     attn_by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict)
+    # When this step may be abandoned between layers (core/interrupt.py): the flag, and the same
+    # byte as a [1] uint8 tensor for C++ kernels to poll.
+    interrupt: InterruptFlag | None = None
+    interrupt_tensor: torch.Tensor | None = None
+
+    def check_interrupt(self) -> None:
+        """Raise ``StepInterrupted`` if this step may be, and is to be, abandoned now (between layers)."""
+        if self.interrupt is not None and self.interrupt.is_raised():
+            raise StepInterrupted("a latency-critical request arrived")
 
     def attention(self, sliding_window: int | None) -> AttentionMetadata:
         """The metadata for layers attending over ``sliding_window`` trailing positions (None: all)."""

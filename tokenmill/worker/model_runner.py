@@ -12,6 +12,7 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -50,6 +51,8 @@ class ModelRunner:
         self.device = torch.device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
+        self.interrupt: InterruptFlag | None = None  # see set_interrupt
+        self.interrupt_tensor: torch.Tensor | None = None
         if self.device.type == "cpu":
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
@@ -181,6 +184,8 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
+        if plan.interruptible and self.interrupt is not None:
+            batch.interrupt, batch.interrupt_tensor = self.interrupt, self.interrupt_tensor
         logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] float32 or activation dtype
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
@@ -308,6 +313,12 @@ class ModelRunner:
             attn_by_window=attn_by_window,
         )
         return batch, sample_entries, prompt_rows
+
+    def set_interrupt(self, flag: InterruptFlag | None) -> None:
+        """Let steps the scheduler marks ``interruptible`` be abandoned between layers when ``flag`` is
+        raised (``core/interrupt.py``); the model raises ``StepInterrupted`` out of ``execute``."""
+        self.interrupt = flag
+        self.interrupt_tensor = None if flag is None else torch.frombuffer(flag.buffer, dtype=torch.uint8)
 
     def _build_group(
         self,

@@ -2,7 +2,8 @@
 
 One tokenmill server (``--policy vtc``, standard tiers, a TTFT target on the ``priority`` tier:
 ``--tier-slo priority:ttft=0.1`` by default, which keeps the other tiers' steps within a third of it
-and gives a priority request's prefill a step of its own; the configuration used is printed). Three
+and within the priority tier's own first-token steps, cuts the step in flight short when a priority
+request arrives, and gives its prefill a step of its own; the configuration used is printed). Three
 phases, all streaming completions:
 
 1. alone: a ``priority`` probe client (one request at a time) on an idle server, after 3 s of

@@ -24,6 +24,19 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
     return results
 
 
+def _count_stack_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the rows of every call of the fused decode stack from now on."""
+    calls: list[int] = []
+    original = fused_cpu.llama_decode_stack
+
+    def counting(hidden: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "llama_decode_stack", counting)
+    return calls
+
+
 # qwen2: QKV biases, tied embeddings; qwen3: per-head q/k norms, head_dim 24 (not 16 * n)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_modules(
@@ -46,14 +59,7 @@ def test_decode_steps_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_m
     num_weights = [len(layer.weights) for layer in stack.layers]
     assert num_weights == [16 if arch == "qwen3" else 14] * 2  # with the q/k norms' weights
     assert len(stack.weights) == sum(num_weights) and len(stack.biases) == 8
-    calls: list[int] = []
-    original = fused_cpu.llama_decode_stack
-
-    def counting(hidden: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(hidden.shape[0])
-        return original(hidden, *args, **kwargs)
-
-    monkeypatch.setattr(fused_cpu, "llama_decode_stack", counting)
+    calls = _count_stack_rows(monkeypatch)
     # Different lengths: sequences finish prefill in different steps, so decode steps hold 1 to 5 rows
     # (and the steps that still hold a prompt chunk go through the modules).
     prompts = [[7 + i for i in range(length)] for length in (3, 17, 40, 9, 64)]
@@ -83,14 +89,7 @@ def test_steps_with_short_prompt_chunks_run_fused_with_the_same_results(
         max_num_batched_tokens=24,
     )
     model = llm.engine.executor.runner.model
-    calls: list[int] = []
-    original = fused_cpu.llama_decode_stack
-
-    def counting(hidden: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(hidden.shape[0])
-        return original(hidden, *args, **kwargs)
-
-    monkeypatch.setattr(fused_cpu, "llama_decode_stack", counting)
+    calls = _count_stack_rows(monkeypatch)
     prompts = [[7 + i for i in range(length)] for length in (30, 5, 47, 12)]
     fused = _generate(llm, prompts)
     # Steps holding prompt chunks went through the op: more rows than sequences.

@@ -172,12 +172,8 @@ class SchedulerConfig:
     ttft_step_fraction: float = 1 / 3
     max_exclusive_steps: int = 4
 
-    def has_ttft_target(self) -> bool:
-        """Whether some tier has a TTFT target (then steps may be cut for its arrivals)."""
-        return any(tier.ttft_slo is not None for tier in self.tiers)
-
     def ttft_target_tiers(self) -> set[str]:
-        """The names of the tiers with a TTFT target."""
+        """The names of the tiers with a TTFT target (steps may be cut for their arrivals)."""
         return {tier.name for tier in self.tiers if tier.ttft_slo is not None}
 
     def validate(self) -> None:

@@ -32,8 +32,7 @@ class InterruptFlag:
     ``attach`` maps an existing one (the server). ``buffer`` is the writable mapping (a tensor view of
     it lets C++ kernels poll the same byte)."""
 
-    def __init__(self, path: str, buffer: mmap.mmap) -> None:
-        self.path = path
+    def __init__(self, buffer: mmap.mmap) -> None:
         self.buffer = buffer
 
     @classmethod
@@ -42,7 +41,7 @@ class InterruptFlag:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, b"\0")
-            return cls(path, mmap.mmap(fd, 1))
+            return cls(mmap.mmap(fd, 1))
         finally:
             os.close(fd)
 
@@ -56,7 +55,7 @@ class InterruptFlag:
         except FileNotFoundError:
             return None
         try:
-            return cls(path, mmap.mmap(fd, 1))
+            return cls(mmap.mmap(fd, 1))
         finally:
             os.close(fd)
 

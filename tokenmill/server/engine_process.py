@@ -254,6 +254,7 @@ class EngineLoop:
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
             "num_preemptions": self.core.scheduler.num_preemptions_total,
+            "num_interrupted_steps": self.core.num_interrupted_steps,
             **{f"num_running_{tier}": n for tier, n in self.core.scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in self.core.scheduler.waiting.waiting_by_tier().items()},
         }
@@ -327,7 +328,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             pid=os.getpid(),
         )
         interrupt = None
-        if config.scheduler.has_ttft_target():
+        if config.scheduler.ttft_target_tiers():
             # A request of a tier with a TTFT target may cut a step short (core/interrupt.py).
             interrupt = InterruptFlag.create(os.path.dirname(input_address.removeprefix("ipc://")))
             core.set_interrupt(interrupt)

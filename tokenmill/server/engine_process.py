@@ -298,6 +298,7 @@ def freeze_startup_objects() -> None:
 
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> int:
     """Build the engine, report ready (or why not), and serve; returns the exit code."""
+    socket_dir = os.path.dirname(input_address.removeprefix("ipc://"))  # made by make_socket_dir
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     output_socket = context.socket(zmq.PUSH)
@@ -330,7 +331,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         interrupt = None
         if config.scheduler.ttft_target_tiers():
             # A request of a tier with a TTFT target may cut a step short (core/interrupt.py).
-            interrupt = InterruptFlag.create(os.path.dirname(input_address.removeprefix("ipc://")))
+            interrupt = InterruptFlag.create(socket_dir)
             core.set_interrupt(interrupt)
         output_socket.send(encoder.encode(ready))
         freeze_startup_objects()
@@ -344,7 +345,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         context.term()
         if os.getppid() != parent_pid:
             # The server died without cleaning up; its socket folder would otherwise stay in /tmp.
-            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")), ignore_errors=True)
+            shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

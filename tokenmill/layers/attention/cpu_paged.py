@@ -45,27 +45,14 @@ class CpuPagedAttention(TorchPagedAttention):
         """A step of decodes only (one group covering every row in order) returns the kernel's output
         itself instead of copying it into a new tensor; so does a step whose prompt chunks are all
         short (every row a decode of its own); anything else goes group by group."""
-        groups = metadata.groups
-        has_chunks = any(g.num_queries > 1 for g in groups)
-        if has_chunks and all(self._kernel_takes_short_chunks(query.dtype, kv_cache, g) for g in groups):
-            self._store_kv(key, value, kv_cache, metadata.slot_mapping)
-            block_tables, seq_lens = metadata.rows_as_decodes()
-            window = groups[0].sliding_window
-            return paged_attention_decode(
-                query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window
-            )  # [num_tokens, num_heads, head_dim]
-        if (
-            len(groups) != 1
-            or groups[0].first_row != 0
-            or not self._kernel_handles(query.dtype, kv_cache, groups[0])
-        ):
+        rows = self.kernel_rows(metadata, query.shape[0], query.dtype, kv_cache)
+        if rows is None:
             return super().forward(query, key, value, kv_cache, metadata)
-        group = groups[0]
-        assert group.block_tables is not None and group.seq_lens is not None
-        if group.block_tables.shape[0] != query.shape[0]:
-            return super().forward(query, key, value, kv_cache, metadata)
+        block_tables, seq_lens, window = rows
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
-        return self._decode(query, kv_cache, group)  # [num_tokens, num_heads, head_dim]
+        return paged_attention_decode(
+            query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window
+        )  # [num_tokens, num_heads, head_dim]
 
     def _decode(
         self,
@@ -137,8 +124,9 @@ class CpuPagedAttention(TorchPagedAttention):
         """``(block_tables [T, max_blocks], seq_lens [T], sliding_window)`` when ``forward`` attends every
         one of the step's ``num_tokens`` rows with one kernel call, each row a decode of its own in row
         order: a step of decodes only (one group, one query per sequence, rows in sequence order), or
-        one whose prompt chunks are all short (``AttentionMetadata.rows_as_decodes``); else None. The
-        fused decode stack (``fused_cpu.llama_decode_stack``) runs such steps with these arguments."""
+        one whose prompt chunks are all short (``AttentionMetadata.rows_as_decodes``); else None. ``forward``
+        attends such steps with these arguments, and so does the fused decode stack
+        (``fused_cpu.llama_decode_stack``)."""
         groups = metadata.groups
         if any(g.num_queries > 1 for g in groups):
             if not all(self._kernel_takes_short_chunks(dtype, kv_cache, g) for g in groups):

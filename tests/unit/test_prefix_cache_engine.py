@@ -89,3 +89,35 @@ def test_eviction_under_pressure_keeps_outputs_exact(model) -> None:  # type: ig
     # Caching every request's five blocks would take 30 blocks: the oldest prefix must have gone.
     assert radix.peek_prefix_blocks((None,), prompts[0][:12]) < 3
     assert radix.peek_prefix_blocks((None,), prompts[-1][:12]) == 3
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_requests_arriving_together_share_a_new_prefix_in_its_first_step(tiny_model, model_type) -> None:  # type: ignore[no-untyped-def]
+    """Four requests with a common, uncached prefix arrive together: the first computes the prefix
+    and the others attend to its blocks in the same step (each layer writes the step's KV before
+    anyone attends), so all four sample their first token in one step, each with the exact output
+    it has with the cache off. In bfloat16 on Llama the others' short chunks go through the fused
+    decode stack's kernel, which also reads the blocks written in the same layer."""
+    model = tiny_model(model_type)
+    shared = [30 + (7 * i) % 50 for i in range(22)]  # 5 whole blocks of 4 and 2 tokens
+    prompts = [shared + [90 + k, 91 + k, 92 + k] for k in range(4)]
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model.path, dtype=dtype, num_blocks=96, block_size=4, enable_prefix_caching=True, seed=0)
+        states = []
+        for k, prompt in enumerate(prompts):
+            [core_request] = llm.input_processor.make_requests(f"together-{k}", prompt, greedy(5))
+            states.append(llm.output_processor.add_request(core_request.request_id, None, prompt, greedy(5)))
+            llm.engine.add_request(core_request)
+        llm.output_processor.process(llm.engine.step().outputs)
+        assert [len(s.samples[0].token_ids) for s in states] == [1, 1, 1, 1]
+        while not all(s.finished for s in states):
+            llm.output_processor.process(llm.engine.step().outputs)
+        assert [s.num_cached_tokens for s in states] == [0, 20, 20, 20]
+        off = LLM(model.path, dtype=dtype, num_blocks=96, block_size=4, enable_prefix_caching=False, seed=0)
+        expected = [
+            o.outputs[0].token_ids
+            for o in off.generate([{"prompt_token_ids": p} for p in prompts], greedy(5), use_tqdm=False)
+        ]
+        assert [s.samples[0].token_ids for s in states] == expected
+        if dtype == "float32":
+            assert expected == [model.greedy(p, 5) for p in prompts]

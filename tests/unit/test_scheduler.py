@@ -331,9 +331,11 @@ def test_siblings_share_the_prompt_blocks_of_the_first_sample() -> None:
     assert all(h.outputs[f"g-{i}"] == reference(prompt, 4) for i in range(3))
 
 
-def test_a_request_waits_for_a_prefix_another_request_is_computing_then_matches_it() -> None:
+def test_a_request_waits_for_a_prefix_another_request_is_computing_then_shares_it() -> None:
     # Four requests share a 3-block prefix that is not cached yet. Only the first computes it (in two
-    # chunks); the others wait, then match all three blocks instead of computing copies alongside.
+    # chunks); the others wait, then share all three blocks instead of computing copies alongside:
+    # q1 joins the very step that completes them (the step writes every KV before anyone attends),
+    # q2 and q3 match them in the tree a step later, when q1's chunk has taken the budget.
     h = Harness(num_blocks=64, budget=8, prefix_caching=True)
     shared = prompt_of(12, 100)
     prompts = {f"q{k}": shared + prompt_of(3, 10 * k + 1) for k in range(4)}
@@ -342,7 +344,10 @@ def test_a_request_waits_for_a_prefix_another_request_is_computing_then_matches_
     plan, _ = h.step()
     assert ids(plan) == ["q0"]  # q1..q3 wait for q0's blocks; q0's 8-token chunk takes the budget
     plan, _ = h.step()
-    assert ids(plan) == ["q0", "other"]  # q0's last 7 tokens; its third block is still in flight
+    # q0's last 7 tokens complete the prefix; q1 starts past it in the same step, on q0's blocks.
+    assert [(e.request_id, e.start_position) for e in plan.scheduled] == [("q0", 8), ("q1", 12)]
+    assert h.kv.block_table("q1")[:3] == h.kv.block_table("q0")[:3]
+    assert not plan.interruptible
     h.run()
     first_start = {}
     for plan in h.plans:
@@ -351,6 +356,26 @@ def test_a_request_waits_for_a_prefix_another_request_is_computing_then_matches_
     assert first_start == {"q0": 0, "other": 0, "q1": 12, "q2": 12, "q3": 12}
     assert [requests[f"q{k}"].num_cached_tokens for k in range(4)] == [0, 12, 12, 12]
     assert all(h.outputs[name] == reference(p, 3) for name, p in prompts.items())
+
+
+def test_only_blocks_the_planned_step_completes_are_offered_for_sharing() -> None:
+    # q0 has computed 2 of the 3 blocks it shares with q1 (they are in the tree). A step that takes
+    # q0 to 11 tokens completes no further block: nothing better than the tree to offer. One that
+    # takes it to 13 completes the third block, offered to q1 but not to q2, whose whole prompt is
+    # the shared part (it keeps a token to compute, so it can use two blocks, which the tree holds).
+    h = Harness(num_blocks=64, budget=8, prefix_caching=True)
+    shared = prompt_of(12, 100)
+    q0 = h.add("q0", shared + prompt_of(3, 1), max_tokens=2)
+    q1 = h.add("q1", shared + [7], max_tokens=2)
+    q2 = h.add("q2", shared, max_tokens=2)
+    plan, _ = h.step()
+    assert ids(plan) == ["q0"] and q0.num_computed_tokens == 8
+    assert h.kv.peek_prefix_tokens(q1) == 8
+    assert h.kv.prefix_computed_by(q1, [(q0, 11)]) == ("", 0)
+    assert h.kv.prefix_computed_by(q1, [(q0, 13)]) == ("q0", 12)
+    assert h.kv.prefix_computed_by(q2, [(q0, 13)]) == ("", 0)
+    h.run()
+    h.assert_all_blocks_back()
 
 
 @pytest.mark.parametrize("tier", ["flex", "priority"])
@@ -363,7 +388,8 @@ def test_only_publishing_requests_of_the_same_or_a_better_class_are_waited_for(t
     plan, _ = h.step()
     starts = {e.request_id: e.start_position for e in plan.scheduled}
     if tier == "flex":
-        assert starts == {"flex": 8}  # waits: the flex request is computing its third block
+        # Shares the third block, which the flex request computes in this very step.
+        assert starts == {"flex": 8, "late": 12}
     else:
         # A priority request does not wait on a worse class, which may not progress soon.
         assert starts == {"late": 8, "flex": 8}

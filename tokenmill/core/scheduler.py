@@ -133,6 +133,7 @@ class Scheduler:
         self._first_token_step_times: deque[float] = deque(maxlen=FIRST_TOKEN_STEPS_KEPT)
         # Whether the last planned step was abandoned (step_interrupted): the next one is not cut.
         self._last_step_interrupted = False
+        self._shares_in_step = False  # whether the step being planned shares blocks it computes
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
         self.fairness = (
@@ -268,13 +269,16 @@ class Scheduler:
         self._exclusive_streak = self._exclusive_streak + 1 if exclusive else 0
         finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted + num_made_room
+        # A request sharing blocks this step computes cannot be redone without them: not cut.
         interruptible = (
             self.tiers.best_ttft_rank is not None
             and not self._last_step_interrupted
             and bool(plan)
             and not self._plans_first_token(plan)
+            and not self._shares_in_step
         )
         self._last_step_interrupted = False
+        self._shares_in_step = False
         return SchedulerOutput(
             scheduled=plan,
             finished_request_ids=finished,
@@ -405,14 +409,23 @@ class Scheduler:
             leader = self._sibling_leader(request)
             if leader is not None and not self._leader_prompt_ready(leader, request):
                 continue  # wait until the leader has computed the shared prompt blocks
+            source_id, source_tokens = "", 0
             if leader is None and self._prefix_in_flight(key, request):
-                continue  # match the shared blocks once a running request has computed them
+                source_id, source_tokens = self.kv.prefix_computed_by(
+                    request, self._planned_prefills(key, plan)
+                )
+                if not source_tokens:
+                    continue  # match the shared blocks once a running request has computed them
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._make_room_for(key):
                     return False, num_made_room
                 num_made_room += 1
             if leader is not None:
                 computed = self.kv.share_prefix(leader.request_id, request, request.num_prompt_tokens - 1)
+            elif source_tokens:
+                # The blocks are computed by this very step, ahead of this request's attention.
+                computed = self.kv.share_prefix(source_id, request, source_tokens, count_as_hit=True)
+                self._shares_in_step = True
             else:
                 computed = self.kv.match_prefix(request)
             request.num_computed_tokens = computed
@@ -477,6 +490,19 @@ class Scheduler:
         if full_prompt_tokens == 0:
             return True
         return leader.status == RequestStatus.RUNNING and leader.num_computed_tokens >= full_prompt_tokens
+
+    def _planned_prefills(self, key: ClassKey, plan: list[ScheduledRequest]) -> list[tuple[Request, int]]:
+        """The requests of class ``key`` or better with a prompt chunk in ``plan``, each with the number
+        of tokens it will have computed once the step has run."""
+        planned = []
+        for entry in plan:
+            request = self.requests[entry.request_id]
+            if (
+                request.num_computed_tokens < request.num_prompt_tokens
+                and self.tiers.class_key(request) <= key
+            ):
+                planned.append((request, entry.start_position + len(entry.token_ids)))
+        return planned
 
     def _prefix_in_flight(self, key: ClassKey, request: Request) -> bool:
         """Whether a running request of class ``key`` or better is computing blocks ``request`` shares

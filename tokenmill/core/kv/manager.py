@@ -15,6 +15,7 @@ blocks to the prefix cache (see ``release_out_of_window_blocks``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,26 +152,16 @@ class KVCacheManager:
 
     def prefix_in_flight(self, request: Request, running: list[Request]) -> bool:
         """Whether a running request is still computing blocks that would extend ``request``'s cached
-        prefix: a waiting request that starts with those blocks does better to wait a step or two and
-        match them than to compute a copy of them alongside (in-batch prefix sharing).
+        prefix: a waiting request that starts with those blocks does better to match them once they
+        are computed (maybe in the very step that computes them: ``prefix_computed_by``) than to
+        compute a copy of them alongside (in-batch prefix sharing).
 
         Only requests that publish their blocks to the tree count (same namespace, no prompt
         logprobs, not detached), and only blocks beyond what the tree already holds for ``request``.
         Changes nothing.
         """
-        if self.radix is None or request.wants_prompt_logprobs:
-            return False
-        namespace = self.namespace(request)
-        tokens = request.all_token_ids
-        limit_blocks = (request.num_tokens - 1) // self.block_size
         cached_blocks: int | None = None
-        for other in running:
-            if other.num_computed_tokens >= other.num_prompt_tokens or other.wants_prompt_logprobs:
-                continue  # decoding (its prompt blocks are published) or never publishing
-            allocation = self._allocations.get(other.request_id)
-            if allocation is None or allocation.detached or self.namespace(other) != namespace:
-                continue
-            shared = _common_full_blocks(tokens, other.prompt_token_ids, self.block_size, limit_blocks)
+        for other, shared in self._publishers_sharing(request, running):
             if shared * self.block_size <= other.num_computed_tokens:
                 continue  # the shared blocks are computed and published already
             if cached_blocks is None:
@@ -179,11 +170,58 @@ class KVCacheManager:
                 return True
         return False
 
-    def share_prefix(self, source_id: str, request: Request, num_tokens: int) -> int:
-        """Give a fresh ``request`` the first full blocks of ``source_id``'s table (n > 1 siblings).
+    def prefix_computed_by(self, request: Request, planned: Sequence[tuple[Request, int]]) -> tuple[str, int]:
+        """The request, and how many of ``request``'s leading tokens (whole blocks), whose blocks
+        ``request`` can share once the step being planned has run, when that is more than the tree
+        holds for it; ``("", 0)`` otherwise. ``planned`` pairs each running request with a prompt
+        chunk in that step with the number of tokens it will have computed after it.
+
+        Sharing is safe in the same step: each layer writes the step's new keys and values to the
+        cache before any sequence attends (the attention backends' contract), so a sequence whose
+        block table starts with another's blocks reads them freshly written. Changes nothing.
+        """
+        best_id, best_blocks = "", 0
+        computed_after = {r.request_id: n for r, n in planned}
+        for other, shared in self._publishers_sharing(request, [r for r, _ in planned]):
+            shared = min(shared, computed_after[other.request_id] // self.block_size)
+            if shared > best_blocks:
+                best_id, best_blocks = other.request_id, shared
+        if best_blocks <= self.peek_prefix_tokens(request) // self.block_size:
+            return "", 0
+        return best_id, best_blocks * self.block_size
+
+    def _publishers_sharing(
+        self, request: Request, running: Sequence[Request]
+    ) -> Iterator[tuple[Request, int]]:
+        """The requests of ``running`` still computing their prompt whose blocks would reach the tree
+        where ``request`` can match them, each with the number of leading full blocks it shares with
+        ``request`` (at least one token of ``request`` is always left to compute)."""
+        if self.radix is None or request.wants_prompt_logprobs:
+            return
+        namespace = self.namespace(request)
+        limit_blocks = (request.num_tokens - 1) // self.block_size
+        for other in running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.wants_prompt_logprobs:
+                continue  # decoding (its prompt blocks are published) or never publishing
+            allocation = self._allocations.get(other.request_id)
+            if allocation is None or allocation.detached or self.namespace(other) != namespace:
+                continue
+            shared = _common_full_blocks(
+                request.all_token_ids, other.prompt_token_ids, self.block_size, limit_blocks
+            )
+            if shared > 0:
+                yield other, shared
+
+    def share_prefix(
+        self, source_id: str, request: Request, num_tokens: int, count_as_hit: bool = False
+    ) -> int:
+        """Give a fresh ``request`` the first full blocks of ``source_id``'s table (n > 1 siblings, or
+        a request whose prefix another computes in the step being planned: ``prefix_computed_by``).
 
         Shares ``num_tokens // block_size`` blocks, bumping their reference counts; returns the
-        number of tokens shared. The caller guarantees those tokens are identical and computed.
+        number of tokens shared. The caller guarantees those tokens are identical and computed (by
+        the time the request attends). ``count_as_hit`` counts the lookup and the shared tokens in the
+        prefix-cache metrics, as a match in the tree would be.
         """
         allocation = self._allocations.setdefault(request.request_id, KVAllocation())
         assert not allocation.block_ids, "share_prefix needs an empty allocation"
@@ -194,6 +232,9 @@ class KVCacheManager:
         shared = source.block_ids[:num_shared]
         self.pool.incref(shared)
         allocation.block_ids = list(shared)
+        if count_as_hit:
+            self.prefix_queried_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_shared * self.block_size
         return num_shared * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:

@@ -54,6 +54,32 @@ def test_only_plans_without_a_protected_first_token_may_be_cut_and_never_two_in_
     assert not h.scheduler.schedule().interruptible
 
 
+def test_a_step_whose_blocks_another_request_shares_is_never_cut() -> None:
+    # A redo could plan the sharer without the chunk that writes the blocks it reads.
+    shared = prompt_of(12, 100)
+    for same_prefix in (True, False):
+        h = TierHarness(budget=64, tiers=slo_tiers(), prefix_caching=True)
+        h.add("first", shared + [1], max_tokens=2)
+        h.add("second", (shared if same_prefix else prompt_of(12, 300)) + [2], max_tokens=2)
+        plan = h.scheduler.schedule()
+        starts = {e.request_id: e.start_position for e in plan.scheduled}
+        assert starts == {"first": 0, "second": 12 if same_prefix else 0}
+        assert plan.interruptible is not same_prefix
+        h.finish_step(plan)
+        while h.scheduler.has_unfinished():
+            h.finish_step(h.scheduler.schedule())
+        h.assert_all_blocks_back()
+        h.assert_outputs_match_reference()
+
+    # The same for n > 1 siblings, which share the first sample's prompt blocks.
+    h = TierHarness(budget=64, tiers=slo_tiers())
+    for i in range(2):
+        h.add(f"g-{i}", shared + [3], max_tokens=2, group_id="g", sibling_index=i)
+    plan = h.scheduler.schedule()
+    assert {e.request_id: e.start_position for e in plan.scheduled} == {"g-0": 0, "g-1": 12}
+    assert not plan.interruptible
+
+
 @pytest.mark.parametrize("quantization", ["int4", None])  # the fused decode stack; the layer modules
 def test_cut_steps_are_redone_with_the_same_tokens(
     quantization: str | None,

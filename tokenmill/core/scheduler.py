@@ -407,8 +407,8 @@ class Scheduler:
             if not self._grammar_ready(request):
                 continue  # its grammar is still compiling; it does not hold up the queue
             leader = self._sibling_leader(request)
-            if leader is not None and not self._leader_prompt_ready(leader, request):
-                continue  # wait until the leader has computed the shared prompt blocks
+            if leader is not None and not self._leader_prompt_ready(leader, request, plan):
+                continue  # wait until the leader's step computes the shared prompt blocks
             source_id, source_tokens = "", 0
             if leader is None and self._prefix_in_flight(key, request):
                 source_id, source_tokens = self.kv.prefix_computed_by(
@@ -422,6 +422,7 @@ class Scheduler:
                 num_made_room += 1
             if leader is not None:
                 computed = self.kv.share_prefix(leader.request_id, request, request.num_prompt_tokens - 1)
+                self._shares_in_step |= leader.num_computed_tokens < computed
             elif source_tokens:
                 # The blocks are computed by this very step, ahead of this request's attention.
                 computed = self.kv.share_prefix(source_id, request, source_tokens, count_as_hit=True)
@@ -485,11 +486,20 @@ class Scheduler:
             return None
         return leader
 
-    def _leader_prompt_ready(self, leader: Request, request: Request) -> bool:
+    def _leader_prompt_ready(self, leader: Request, request: Request, plan: list[ScheduledRequest]) -> bool:
+        """Whether the leader's prompt blocks that ``request`` shares are computed once the step being
+        planned has run (a sibling may join the very step that completes them, like any request
+        sharing an in-flight prefix: ``KVCacheManager.prefix_computed_by``)."""
         full_prompt_tokens = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
         if full_prompt_tokens == 0:
             return True
-        return leader.status == RequestStatus.RUNNING and leader.num_computed_tokens >= full_prompt_tokens
+        if leader.status != RequestStatus.RUNNING:
+            return False
+        computed_after = leader.num_computed_tokens
+        for entry in plan:
+            if entry.request_id == leader.request_id:
+                computed_after = entry.start_position + len(entry.token_ids)
+        return computed_after >= full_prompt_tokens
 
     def _planned_prefills(self, key: ClassKey, plan: list[ScheduledRequest]) -> list[tuple[Request, int]]:
         """The requests of class ``key`` or better with a prompt chunk in ``plan``, each with the number

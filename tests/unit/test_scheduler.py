@@ -435,6 +435,53 @@ def workloads(draw):  # type: ignore[no-untyped-def]
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload) -> None:  # type: ignore[no-untyped-def]
+    requests = [
+        (str(k), prompt, max_tokens, arrival, abort_at, {})
+        for k, (prompt, max_tokens, arrival, abort_at) in enumerate(workload["requests"])
+    ]
+    run_workload(workload, requests)
+
+
+@st.composite
+def shared_prefix_workloads(draw):  # type: ignore[no-untyped-def]
+    """Bursts of requests over a few long common prefixes, some of them n > 1 groups: most admissions
+    find a prefix that another request computes in the same step (same-step sharing), or wait for it."""
+    block_size = draw(st.sampled_from([2, 4]))
+    num_blocks = draw(st.integers(8, 30))
+    prefixes = [
+        draw(st.lists(st.integers(1, 9), min_size=4, max_size=16)) for _ in range(draw(st.integers(1, 3)))
+    ]
+    requests = []
+    for k in range(draw(st.integers(2, 8))):
+        prompt = draw(st.sampled_from(prefixes)) + draw(st.lists(st.integers(1, 9), min_size=1, max_size=4))
+        max_tokens = draw(st.integers(1, 5))
+        if len(prompt) + max_tokens > num_blocks * block_size:
+            continue
+        arrival = draw(st.integers(0, 2))
+        abort_at = draw(st.one_of(st.none(), st.none(), st.integers(arrival, arrival + 4)))
+        n = draw(st.sampled_from([1, 1, 2, 3]))
+        for i in range(n):
+            siblings = {"group_id": f"g{k}", "sibling_index": i} if n > 1 else {}
+            requests.append((f"g{k}-{i}", prompt, max_tokens, arrival, abort_at, siblings))
+    return {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "budget": draw(st.integers(4, 48)),
+        "max_num_seqs": draw(st.integers(2, 8)),
+        "prefix_caching": True,
+        "requests": requests,
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_prefix_workloads())
+def test_bursts_over_shared_prefixes_keep_every_invariant(workload) -> None:  # type: ignore[no-untyped-def]
+    run_workload(workload, workload["requests"])
+
+
+def run_workload(workload, requests) -> None:  # type: ignore[no-untyped-def]
+    """Drive ``requests`` (id, prompt, max_tokens, arrival step, abort step or None, extra request
+    fields) through a harness shaped by ``workload``, checking every plan and the outputs."""
     h = Harness(
         num_blocks=workload["num_blocks"],
         block_size=workload["block_size"],
@@ -442,16 +489,15 @@ def test_random_workloads_keep_every_invariant(workload) -> None:  # type: ignor
         max_num_seqs=workload["max_num_seqs"],
         prefix_caching=workload["prefix_caching"],
     )
-    requests = workload["requests"]
-    last_arrival = max((arrival for _, _, arrival, _ in requests), default=0)
+    last_arrival = max((arrival for _, _, _, arrival, _, _ in requests), default=0)
     aborted: set[str] = set()
     for step in range(2000):
-        for k, (prompt, max_tokens, arrival, abort_at) in enumerate(requests):
+        for request_id, prompt, max_tokens, arrival, abort_at, fields in requests:
             if arrival == step:
-                h.add(str(k), prompt, max_tokens)
-            if abort_at == step and str(k) in h.scheduler.requests:
-                h.scheduler.abort([str(k)])
-                aborted.add(str(k))
+                h.add(request_id, prompt, max_tokens, **fields)
+            if abort_at == step and request_id in h.scheduler.requests:
+                h.scheduler.abort([request_id])
+                aborted.add(request_id)
         if step > last_arrival and not h.scheduler.has_unfinished():
             break
         had_work = h.scheduler.has_unfinished()
@@ -465,10 +511,10 @@ def test_random_workloads_keep_every_invariant(workload) -> None:  # type: ignor
     else:
         pytest.fail("the workload never finished")
     h.assert_all_blocks_back()
-    for k, (prompt, max_tokens, _, _) in enumerate(requests):
-        out = h.outputs[str(k)]
-        if str(k) in aborted:
+    for request_id, prompt, max_tokens, _, _, _ in requests:
+        out = h.outputs[request_id]
+        if request_id in aborted:
             assert out == reference(prompt, max_tokens)[: len(out)]
         else:
-            assert out == reference(prompt, max_tokens), k
-            assert h.finish_reasons[str(k)] == "length"
+            assert out == reference(prompt, max_tokens), request_id
+            assert h.finish_reasons[request_id] == "length"

@@ -69,6 +69,11 @@ class ScheduledRequest:
     seed: int | None
     skipped_draws: int = 0
 
+    @property
+    def end_position(self) -> int:
+        """The request's computed tokens once this step has run."""
+        return self.start_position + len(self.token_ids)
+
 
 @dataclass
 class SchedulerOutput:
@@ -498,7 +503,7 @@ class Scheduler:
         computed_after = leader.num_computed_tokens
         for entry in plan:
             if entry.request_id == leader.request_id:
-                computed_after = entry.start_position + len(entry.token_ids)
+                computed_after = entry.end_position
         return computed_after >= full_prompt_tokens
 
     def _planned_prefills(self, key: ClassKey, plan: list[ScheduledRequest]) -> list[tuple[Request, int]]:
@@ -511,7 +516,7 @@ class Scheduler:
                 request.num_computed_tokens < request.num_prompt_tokens
                 and self.tiers.class_key(request) <= key
             ):
-                planned.append((request, entry.start_position + len(entry.token_ids)))
+                planned.append((request, entry.end_position))
         return planned
 
     def _prefix_in_flight(self, key: ClassKey, request: Request) -> bool:

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.core.admission import ADMISSIONS
+
 
 def env_int(name: str, default: int) -> int:
     """An integer environment variable, or ``default`` when unset."""
@@ -146,7 +148,10 @@ class SchedulerConfig:
 
     ``max_num_batched_tokens`` is the per-step token budget (chunked prefill splits prompts to fit);
     ``max_num_seqs`` caps running sequences; ``policy`` names the order inside a scheduling class
-    (``fcfs``, ``lpm`` or ``vtc``). ``max_waiting`` bounds the whole waiting queue (None: unbounded)
+    (``fcfs``, ``lpm`` or ``vtc``). ``admission`` says how many waiting requests a step admits:
+    ``fill`` while the budget lasts (the most work per step: offline batches), ``ttft`` as many as
+    keep the waiting requests' mean time to first token least (``core/admission.py``; the CLI's
+    default, for servers). ``max_waiting`` bounds the whole waiting queue (None: unbounded)
     so servers can answer 429. ``tiers`` lists the service tiers best first; ``default`` must be
     one of them. ``vtc`` charges each user ``fair_input_weight`` per prompt token computed and
     ``fair_output_weight`` per generated token, divided by the user's weight in ``user_weights``
@@ -162,6 +167,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: str = "fcfs"
+    admission: str = "fill"
     max_waiting: int | None = None
     tiers: list[TierConfig] = field(default_factory=standard_tiers)
     user_weights: dict[str, float] = field(default_factory=dict)
@@ -177,7 +183,9 @@ class SchedulerConfig:
         return {tier.name for tier in self.tiers if tier.ttft_slo is not None}
 
     def validate(self) -> None:
-        """Raise ValueError naming the field for tier and fairness settings that cannot work."""
+        """Raise ValueError naming the field for tier, fairness and admission settings that cannot work."""
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {list(ADMISSIONS)}, got {self.admission!r}")
         names = [tier.name for tier in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"service tier names must be unique, got {names}")

@@ -16,6 +16,7 @@ from tokenmill.config import (
     TierConfig,
     standard_tiers,
 )
+from tokenmill.core.admission import ADMISSIONS
 from tokenmill.core.policy import POLICIES
 
 
@@ -157,6 +158,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--policy", default=SchedulerConfig.policy, choices=sorted(POLICIES), help="waiting-queue order"
     )
     scheduler.add_argument(
+        "--admission",
+        default="ttft",
+        choices=sorted(ADMISSIONS),
+        help="how many waiting requests a step admits: ttft (default here) as many as keep their mean "
+        "time to first token least; fill (the Python API's default) as many as the token budget holds",
+    )
+    scheduler.add_argument(
         "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
     )
     tiers = parser.add_argument_group("service tiers and fairness")
@@ -244,6 +252,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,
+        "admission": args.admission,
         "max_waiting": args.max_waiting,
         "tiers": build_tiers(args.tier, args.tier_slo),
         "slo_guard_share": args.slo_guard_share,

@@ -16,6 +16,7 @@ ones. Token ids only; no torch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.admission import ttft_admission_cap
 from tokenmill.core.fairness import VirtualTokenCounters
 from tokenmill.core.kv.manager import KVCacheManager, cdiv
 from tokenmill.core.policy import make_policy
@@ -42,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 # How many recent first-token steps of their own bound the steps of worse tiers (their median).
 FIRST_TOKEN_STEPS_KEPT = 16
+# How many waiting requests (the oldest) the ``ttft`` admission averages the prompt work of.
+ADMISSION_SAMPLE = 32
 
 
 @dataclass
@@ -139,6 +143,7 @@ class Scheduler:
         # Whether the last planned step was abandoned (step_interrupted): the next one is not cut.
         self._last_step_interrupted = False
         self._shares_in_step = False  # whether the step being planned shares blocks it computes
+        self._admissions_left: int | None = None  # of the step being planned; None: no cap
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
         self.fairness = (
@@ -258,6 +263,7 @@ class Scheduler:
         num_made_room = 0  # worse-class requests preempted to admit better ones
         admitting = True
         exclusive = False
+        self._admissions_left = self._admission_cap()
         for key in self._class_keys():
             if exclusive_rank is not None and key[0] > exclusive_rank and self._plans_first_token(plan):
                 # A first token within a TTFT target is on its way: worse tiers sit this step out
@@ -404,7 +410,7 @@ class Scheduler:
         requests were preempted to make room."""
         num_made_room = 0
         for request in self.waiting.ordered_in(key):
-            if budget.total_left <= 0:
+            if budget.total_left <= 0 or self._admissions_left == 0:
                 return False, num_made_room
             tier = self.tiers.tiers[request.tier]
             if budget.exhausted(request.tier) or self._tier_is_full(request.tier):
@@ -450,7 +456,29 @@ class Scheduler:
             self.running.append(request)
             plan.append(self._plan_entry(request, num_new))
             budget.take(tier.name, num_new)
+            if self._admissions_left is not None:
+                self._admissions_left -= 1
         return True, num_made_room
+
+    def _admission_cap(self) -> int | None:
+        """How many waiting requests the step being planned may admit: None (as many as the budget
+        holds) under ``admission="fill"``, else what keeps their mean time to first token least
+        (``core/admission.py``), from what the running requests bring to the step and the prompt
+        work of the oldest ``ADMISSION_SAMPLE`` waiting requests beyond their cached prefixes."""
+        num_waiting = self.num_waiting
+        if self.config.admission != "ttft" or num_waiting == 0:
+            return None
+        running_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        waiting = (r for r in self.requests.values() if r.status != RequestStatus.RUNNING)
+        sample = list(itertools.islice(waiting, ADMISSION_SAMPLE))
+        mean_new_tokens = statistics.fmean(r.num_tokens - self.kv.peek_prefix_tokens(r) for r in sample)
+        return ttft_admission_cap(
+            self.step_time,
+            min(running_tokens, self.config.max_num_batched_tokens),
+            len(self.running),
+            num_waiting,
+            mean_new_tokens,
+        )
 
     def _tier_is_full(self, tier_name: str) -> bool:
         limit = self.tiers.tiers[tier_name].max_running

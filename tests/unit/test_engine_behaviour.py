@@ -329,3 +329,19 @@ def test_a_bad_prompt_fails_its_call_and_the_engine_keeps_serving(llm: LLM, expe
         next(llm.stream({"prompt_token_ids": PROMPTS[0]}, bad_bias))
     assert not llm.output_processor.requests
     assert token_ids(llm.generate(inputs(PROMPTS), greedy(), use_tqdm=False)) == expected
+
+
+def test_warm_up_teaches_the_step_time_model_and_leaves_no_trace(model, expected) -> None:  # type: ignore[no-untyped-def]
+    llm = make_llm(model, admission="ttft", num_blocks=64)  # 256 KV tokens: the warm-up prompts are cut
+    core = llm.engine
+    assert core.scheduler.step_time.coefficients is None
+    core.warm_up()
+    # The server's first user steps can already be sized (``core/admission.py``).
+    assert core.scheduler.step_time.coefficients is not None
+    assert not core.scheduler.has_unfinished() and not core.scheduler.requests
+    assert core.kv_manager.pool.num_used == 0 and core.kv_manager.radix.cached_blocks == 0
+    assert (core.kv_manager.prefix_queried_tokens, core.kv_manager.prefix_hit_tokens) == (0, 0)
+    assert core.scheduler.num_preemptions_total == 0
+    outputs = llm.generate(inputs(PROMPTS), greedy())
+    assert token_ids(outputs) == expected
+    assert [o.num_cached_tokens for o in outputs] == [0] * len(PROMPTS)

@@ -17,10 +17,16 @@ from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.executor.inprocess import InProcessExecutor
 from tokenmill.loader import ModelSource
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.backend import GrammarBackend
 from tokenmill.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# Prompt lengths of the warm-up requests (``EngineCore.warm_up``), one arriving per step: uneven, so
+# the steps' token and sequence counts vary apart and the step-time model can tell their costs apart.
+WARM_UP_PROMPT_LENGTHS = (24, 160, 8, 320, 64, 40)
+WARM_UP_OUTPUT_TOKENS = 4
 
 
 def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_tokens: int) -> int:
@@ -75,6 +81,44 @@ class EngineCore:
             self.kv_manager.capacity_tokens,
             "on" if config.cache.enable_prefix_caching else "off",
         )
+
+    def warm_up(self) -> float:
+        """Run a few synthetic greedy requests before serving; returns the seconds they took.
+
+        They pay the one-time costs (lazy initialization, first-touch memory) before the first user
+        request does, and teach the scheduler's step-time model, so that the ``ttft`` admission
+        (``core/admission.py``) sizes the very first user steps. Call it while nothing else runs.
+        They leave no trace: a scheduler of their own runs them (only the step-time model is
+        shared), and afterwards every block is back in the pool, the prefix cache is empty and its
+        counters are zero.
+        """
+        started = time.perf_counter()
+        scheduler = self.scheduler
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.kv_manager, self.max_model_len, step_time=scheduler.step_time
+        )
+        vocab_size = int(self.source.hf_config.vocab_size)
+        longest = max(
+            1, min(self.max_model_len, self.kv_manager.capacity_tokens // 2) - WARM_UP_OUTPUT_TOKENS
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=WARM_UP_OUTPUT_TOKENS, ignore_eos=True)
+        try:
+            for index, length in enumerate(WARM_UP_PROMPT_LENGTHS):
+                length = min(length, longest)
+                tokens = [(index * 1009 + 7919 * k) % vocab_size for k in range(length)]
+                self.add_request(
+                    EngineCoreRequest(
+                        request_id=f"warm-up-{index}", prompt_token_ids=tokens, sampling_params=params
+                    )
+                )
+                self.step()
+            while self.scheduler.has_unfinished():
+                self.step()
+        finally:
+            self.scheduler = scheduler
+        self.kv_manager.reset_prefix_cache()
+        self.kv_manager.prefix_queried_tokens = self.kv_manager.prefix_hit_tokens = 0
+        return time.perf_counter() - started
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         vocab_size = int(self.source.hf_config.vocab_size)

@@ -316,6 +316,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             from tokenmill.loader import resolve_model
 
             core = EngineCore(config, resolve_model(config.model.model))
+            logger.info("engine warmed up in %.2f s", core.warm_up())
         except _Terminated:
             raise
         except Exception as exc:

@@ -74,7 +74,9 @@ class Harness:
         self.kv = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=prefix_caching, sliding_window=sliding_window
         )
-        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, admission=admission)
+        config = SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, admission=admission
+        )
         self.scheduler = Scheduler(config, self.kv, MAX_MODEL_LEN)
         self.runner = FakeRunner(block_size)
         self.outputs: dict[str, list[int]] = {}

@@ -3,7 +3,9 @@
 Each step the scheduler walks the running requests first, then admits waiting ones, giving each
 ``min(num_tokens - num_computed_tokens, budget left)`` tokens of the per-step token budget. There
 are no prefill and decode phases: a chunked prompt, a resumed preempted request, a prefix-cache hit
-and an ordinary decode all follow from this rule. Requests are grouped into scheduling classes
+and an ordinary decode all follow from this rule. Under ``admission="ttft"`` a step admits no
+more waiting requests than keeps their mean time to first token least (``core/admission.py``).
+Requests are grouped into scheduling classes
 (service tier, then priority; ``core/tiers.py``) served best first, each class's running requests
 before its waiting ones. When blocks run out, the lowest-ranked running request (worst class, then
 most recently admitted) is preempted: its blocks are released and it is recomputed later. Requests

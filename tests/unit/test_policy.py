@@ -84,3 +84,19 @@ def test_fcfs_keeps_arrival_order() -> None:
     scheduler.add_request(make_request("cold", [90 + i for i in range(17)]))
     scheduler.add_request(make_request("full", hot + [80]))
     assert run_to_completion(scheduler) == ["cold", "full"]
+
+
+def test_lpm_serves_the_largest_group_of_a_new_prefix_first() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK)
+    config = SchedulerConfig(policy="lpm", max_num_seqs=1, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, kv, max_model_len=256)
+    prefixes = {"a": list(range(1, 17)), "b": list(range(20, 36)), "c": list(range(40, 56))}  # 4 blocks
+    for request_id in ["a1", "c1", "b1", "b2", "b3"]:
+        tail = [60 + 5 * int(request_id[1]) + i for i in range(5)]
+        scheduler.add_request(make_request(request_id, prefixes[request_id[0]] + tail))
+    # Nothing is cached: b's three requests share their first blocks, so b1 goes first and b2, b3
+    # then match them; a1 and c1 (alone in their groups) follow in arrival order.
+    assert run_to_completion(scheduler) == ["b1", "b2", "b3", "a1", "c1"]
+    assert kv.prefix_hit_tokens == 2 * 16
+    assert kv.all_free_or_cached()
+    kv.check_integrity()

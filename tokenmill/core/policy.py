@@ -10,7 +10,7 @@ directions, so ``vtc`` and ``lpm`` are alternatives, not a combination.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 # Cached-prefix length of a waiting request in tokens, computed without side effects.
 PrefixLengthFn = Callable[[Request], int]
+# How many tokens past a waiting request's cached prefix name what it would compute next (``lpm``).
+NEXT_TOKENS_COMPARED = 16
 
 
 class WaitingPolicy:
@@ -71,11 +73,15 @@ class FCFSPolicy(WaitingPolicy):
 
 
 class LongestPrefixMatchPolicy(FCFSPolicy):
-    """Longest cached prefix first (SGLang's ``lpm``), FCFS among equals; preempted requests first.
+    """Longest cached prefix first (SGLang's ``lpm``); preempted requests first.
 
     Serving the requests that share the most cached KV first keeps hot prefixes in the cache and
-    turns a burst of related requests into cache hits. Ranking costs a tree walk per waiting request,
-    so past ``max_ranked`` waiting requests the policy falls back to FCFS order, as SGLang does.
+    turns a burst of related requests into cache hits. Among equal cached prefixes, the request whose
+    next tokens (the ``NEXT_TOKENS_COMPARED`` past its cached prefix, same cache salt) most waiting
+    requests also start with goes first: once it has computed those blocks, all of them share them
+    (a burst over several new system prompts serves the largest group first), then FCFS. Ranking
+    costs a tree walk per waiting request, so past ``max_ranked`` waiting requests the policy falls
+    back to FCFS order, as SGLang does.
     """
 
     name = "lpm"
@@ -93,8 +99,14 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
             return iter(queue)
         resumed = [r for r in queue if r.num_preemptions > 0]
         fresh = [r for r in queue if r.num_preemptions == 0]
-        ranked = sorted(enumerate(fresh), key=lambda item: (-self._prefix_length(item[1]), item[0]))
-        return iter(resumed + [request for _, request in ranked])
+        cached = [self._prefix_length(r) for r in fresh]
+        next_tokens = [
+            (r.cache_salt, c, tuple(r.all_token_ids[c : c + NEXT_TOKENS_COMPARED]))
+            for r, c in zip(fresh, cached)
+        ]
+        sharing = Counter(next_tokens)
+        order = sorted(range(len(fresh)), key=lambda i: (-cached[i], -sharing[next_tokens[i]], i))
+        return iter(resumed + [fresh[i] for i in order])
 
 
 POLICIES: tuple[str, ...] = ("fcfs", "lpm", "vtc")

@@ -59,6 +59,25 @@ def test_peek_prefix_changes_nothing_and_counts_whole_blocks() -> None:
     kv.radix.check_integrity()
 
 
+def test_peek_prefix_answers_again_after_the_tree_changes() -> None:
+    # The answer is remembered per request and tree version: inserts, evictions and resets change it.
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    scheduler = Scheduler(SchedulerConfig(), kv, max_model_len=256)
+    shared = list(range(1, 13))  # three full blocks
+    probe = make_request("probe", shared + [99])
+    assert kv.peek_prefix_tokens(probe) == 0
+    scheduler.add_request(make_request("warm", shared + [50]))
+    run_to_completion(scheduler)
+    assert kv.peek_prefix_tokens(probe) == 12
+    kv.radix.evict(1)  # the warm request's path is one leaf: all of it goes
+    assert kv.peek_prefix_tokens(probe) == 0
+    scheduler.add_request(make_request("half", shared[:8] + [60, 61]))
+    run_to_completion(scheduler)
+    assert kv.peek_prefix_tokens(probe) == 8
+    assert kv.reset_prefix_cache()
+    assert kv.peek_prefix_tokens(probe) == 0
+
+
 def test_lpm_admits_the_longest_cached_prefix_first() -> None:
     kv = KVCacheManager(num_blocks=64, block_size=BLOCK)
     config = SchedulerConfig(policy="lpm", max_num_seqs=1, max_num_batched_tokens=64)

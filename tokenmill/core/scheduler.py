@@ -146,9 +146,7 @@ class Scheduler:
         self._last_step_interrupted = False
         self._shares_in_step = False  # whether the step being planned shares blocks it computes
         self._admissions_left: int | None = None  # of the step being planned; None: no cap
-        # Cached-prefix lengths of waiting requests, peeked once per planned step (see _peek_prefix).
-        self._peeked_prefix_tokens: dict[str, int] = {}
-        prefix_length = self._peek_prefix if kv_manager.radix is not None else None
+        prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
         self.fairness = (
             VirtualTokenCounters(config.fair_input_weight, config.fair_output_weight, config.user_weights)
@@ -267,7 +265,6 @@ class Scheduler:
         num_made_room = 0  # worse-class requests preempted to admit better ones
         admitting = True
         exclusive = False
-        self._peeked_prefix_tokens.clear()
         self._admissions_left = self._admission_cap()
         for key in self._class_keys():
             if exclusive_rank is not None and key[0] > exclusive_rank and self._plans_first_token(plan):
@@ -476,7 +473,7 @@ class Scheduler:
         running_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
         waiting = (r for r in self.requests.values() if r.status != RequestStatus.RUNNING)
         sample = list(itertools.islice(waiting, ADMISSION_SAMPLE))
-        mean_new_tokens = statistics.fmean(r.num_tokens - self._peek_prefix(r) for r in sample)
+        mean_new_tokens = statistics.fmean(r.num_tokens - self.kv.peek_prefix_tokens(r) for r in sample)
         return ttft_admission_cap(
             self.step_time,
             min(running_tokens, self.config.max_num_batched_tokens),
@@ -484,15 +481,6 @@ class Scheduler:
             num_waiting,
             mean_new_tokens,
         )
-
-    def _peek_prefix(self, request: Request) -> int:
-        """``KVCacheManager.peek_prefix_tokens`` of ``request``, walked once per planned step: the
-        ``lpm`` ranking and the ``ttft`` admission both ask. Both use it to rank and estimate only;
-        admission matches the tree itself (``match_prefix``)."""
-        tokens = self._peeked_prefix_tokens.get(request.request_id)
-        if tokens is None:
-            tokens = self._peeked_prefix_tokens[request.request_id] = self.kv.peek_prefix_tokens(request)
-        return tokens
 
     def _tier_is_full(self, tier_name: str) -> bool:
         limit = self.tiers.tiers[tier_name].max_running

@@ -82,6 +82,9 @@ class KVCacheManager:
 
             self.radix = RadixCache(self.pool, block_size)
         self._allocations: dict[str, KVAllocation] = {}
+        # peek_prefix_tokens answers by (request id, its token count) while the tree's version holds.
+        self._peeked: dict[tuple[str, int], int] = {}
+        self._peeked_version = -1
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -143,12 +146,24 @@ class KVCacheManager:
         return num_tokens
 
     def peek_prefix_tokens(self, request: Request) -> int:
-        """Cached prefix length of a waiting request, in tokens, changing nothing (for policies)."""
+        """Cached prefix length of a waiting request, in tokens, changing nothing (for policies).
+
+        A step asks this of the same request several times (the ``lpm`` ranking, the ``ttft``
+        admission, in-flight prefix checks); the tree is walked once per request and tree version
+        (a request's tokens only grow, so its id and token count name them).
+        """
         if self.radix is None or request.wants_prompt_logprobs:
             return 0
-        limit = (request.num_tokens - 1) // self.block_size * self.block_size
-        blocks = self.radix.peek_prefix_blocks(self.namespace(request), request.all_token_ids[:limit])
-        return int(blocks) * self.block_size
+        if self._peeked_version != self.radix.version:
+            self._peeked.clear()
+            self._peeked_version = self.radix.version
+        key = (request.request_id, request.num_tokens)
+        tokens = self._peeked.get(key)
+        if tokens is None:
+            limit = (request.num_tokens - 1) // self.block_size * self.block_size
+            blocks = self.radix.peek_prefix_blocks(self.namespace(request), request.all_token_ids[:limit])
+            tokens = self._peeked[key] = int(blocks) * self.block_size
+        return tokens
 
     def prefix_in_flight(self, request: Request, running: list[Request]) -> bool:
         """Whether a running request is still computing blocks that would extend ``request``'s cached

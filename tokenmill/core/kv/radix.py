@@ -143,6 +143,9 @@ class RadixCache:
         self._node_ids = itertools.count()
         # A logical clock: strictly increasing, so LRU order is exact and deterministic.
         self._clock = 0
+        # Bumped whenever the cached token runs change (insert adopts blocks, evict, reset); splits
+        # and locks leave it: what a lookup finds is the same for the same version.
+        self.version = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -233,6 +236,7 @@ class RadixCache:
             self._attach(node, leaf)
             self._tree_blocks.update(new_blocks)
             self._evictable_blocks += len(new_blocks)  # a new node starts unlocked
+            self.version += 1
             node = leaf
         duplicates = [i for i in range(num_matched) if tree_blocks[i] != block_ids[i]]
         return InsertResult(
@@ -310,6 +314,7 @@ class RadixCache:
         self._leaves.clear()
         self._tree_blocks.clear()
         self._evictable_blocks = 0
+        self.version += 1
         return freed
 
     # ------------------------------------------------------------------ integrity
@@ -462,6 +467,7 @@ class RadixCache:
         self._tree_blocks.difference_update(node.block_ids)
         self._evictable_blocks -= node.num_blocks
         node.alive = False
+        self.version += 1
         return self._release_blocks(node.block_ids)
 
     def _release_blocks(self, blocks: list[int]) -> int:

@@ -283,6 +283,53 @@ def test_output_is_bitwise_independent_of_batch_threads_and_index_dtype() -> Non
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "window"),
+    [
+        (9, 3, 64, None),
+        (8, 8, 128, None),
+        (16, 2, 64, None),
+        (5, 1, 64, None),
+        (4, 2, 64, 49),
+        (4, 2, 64, 50),
+    ],
+)
+def test_tile_path_agrees_with_the_vector_path_and_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    """bfloat16 caches of 16-slot blocks with head_dim 64 or 128 take the AMX tile path where the CPU
+    allows it: the same attention as the vector path and the reference to bfloat16 precision, over
+    chunk tails (1, 15, 17, 31, 33, 337 positions), query-head groups of 1 to 8 (tiles of up to 4
+    heads, and the rest), and windows whose range starts on a block (49: 288 of 337) or inside one (50)."""
+    query, _, _, kv_cache, metadata = build_step(
+        SEQ_LENS, (), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16,
+        window=window,
+    )  # fmt: skip
+    group = metadata.groups[0]
+    assert group.block_tables is not None and group.seq_lens is not None
+    scale = head_dim**-0.5
+
+    def call(tiles: bool) -> torch.Tensor:
+        return cpu_kernels.paged_attention_decode(
+            query, kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, scale, window, tiles=tiles
+        )
+
+    tiled, vector = call(True), call(False)
+    torch.testing.assert_close(tiled.float(), vector.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    if torch.ops.tokenmill.int4_has_tiles():
+        # AMX ran: the tile path's sums (and its bfloat16 probabilities) are not the vector path's
+        # bits, but for the 337-token sequence under the window of 50, whose range starts at 287.
+        assert not torch.equal(tiled, vector)
+        assert torch.equal(tiled[6], vector[6]) is (window == 50)
+    else:
+        assert torch.equal(tiled, vector)  # no tiles on this CPU: the vector path served both calls
+    expected, actual, ref_cache, cpu_cache = run_both(
+        num_heads, num_kv_heads, head_dim, torch.bfloat16, SEQ_LENS, window=window
+    )
+    assert torch.equal(ref_cache, cpu_cache)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+
+
 def shared_prefix_step(
     dtype: torch.dtype, block_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

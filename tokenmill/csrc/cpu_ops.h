@@ -10,6 +10,9 @@
 
 namespace tokenmill::ops {
 
+// Whether this process may use AMX tiles (Linux grants the tile state on request; a VM may refuse).
+bool amx_permitted();
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,

@@ -431,6 +431,13 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales, c
 }  // namespace tokenmill
 
 namespace tokenmill::ops {
+bool amx_permitted() {
+#ifdef TOKENMILL_INT4_AMX
+  return ::tokenmill::amx_permitted();
+#else
+  return false;
+#endif
+}
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method) {
   return ::tokenmill::int4_linear(x, packed, scales, mins, method);

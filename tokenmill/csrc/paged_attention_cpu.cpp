@@ -9,6 +9,7 @@
 //                entry a sequence reaches must be a valid block id
 //   seq_lens     [S] int32 or int64: tokens in the cache for the sequence, the new one included
 //   window       > 0: attend only to the last `window` positions; <= 0: no window
+//   tiles        use the tile path (AMX) where it applies, see TileBuffers (tests compare both paths)
 //   returns      [S, num_heads, head_dim] in the query dtype:
 //                softmax(q . K^T * scale) . V over positions [max(0, seq_len - window), seq_len)
 //   Query head h reads KV head h / (num_heads / kv_heads). A sequence with nothing to attend to gets
@@ -35,10 +36,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
 #include "cpu_ops.h"
+
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TOKENMILL_ATTENTION_AMX 1
+#endif
 
 namespace tokenmill {
 namespace {
@@ -73,6 +80,7 @@ struct Problem {
   int64_t chunks;      // head_dim in 16-lane chunks, rounded up
   int64_t padded_dim;  // chunks * 16
   float scale;
+  bool tiles;  // ranges starting on a block take the tile path (AMX; bfloat16, see TileBuffers)
 };
 
 // Head-dim geometry: kChunks > 0 fixes head_dim = 16 * kChunks at compile time; 0 reads it at run time.
@@ -99,6 +107,8 @@ struct Scratch {
   // Which sequence's state q/acc/row_max/row_sum hold: a shared-prefix group keeps one state per
   // member, member m's heads at [m * num_heads, (m + 1) * num_heads).
   int64_t base = 0;
+  struct TileBuffers* tiles = nullptr;  // the tile path's operands (AMX), when the problem uses it
+  bool tiles_now = false;               // the range being attended starts on a block: the tile path
 };
 
 // KV head 0's rows of positions [pos, pos + n) of the sequence with block table `table`.
@@ -232,13 +242,171 @@ void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, in
 }
 #endif
 
+#ifdef TOKENMILL_ATTENTION_AMX
+// The tile path (AMX) for bfloat16 caches of 16-slot blocks and head_dim 64 or 128, where a range
+// starts on a block boundary (so each 16 positions of a chunk are one block's rows, at one stride).
+// Scores: S^T = K Q^T, K's 16 rows straight from the cache as the "A" operand (32 dimensions per
+// tile), the chunk's queries transposed into pair-interleaved "B" tiles once per chunk; the 16 x 16
+// float32 result is stored and each head's column gathered into its score row. Values: O += P V, the
+// probabilities rounded to bfloat16 as the "A" operand (heads x 32 positions) and each pair of value
+// rows interleaved into "B" tiles (32 positions x 16 dimensions). A tile product multiplies
+// bfloat16 pairs and accumulates in float32, as VDPBF16PS does; the order of the sums differs from
+// the vector path's, and P is rounded to bfloat16 (as flash attention kernels do), so results agree
+// with it to bfloat16 precision, not bitwise. Which path a chunk takes depends only on the problem
+// and the range's first position, so a sequence gets the same bits alone, batched or grouped.
+constexpr int kTileRows = 16;
+constexpr int kMaxHalves = kMaxHeadDim / 32;  // 32-dimension slices of a head
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct alignas(64) TileBuffers {
+  uint32_t q[kMaxHalves][kTileRows][kTileRows];            // Q^T per 32 dimensions: [pair][head]
+  float s[4][kTileRows][kTileRows];                        // S^T per 16 positions: [position][head]
+  c10::BFloat16 p[2][kTileRows][32];                       // P per 32 positions: [head][position]
+  c10::BFloat16 v[2][2 * kMaxHalves][kTileRows][32];       // V per 32 positions, per 16 dimensions
+  float o[4][kTileRows][kTileRows];                        // P V per 16 dimensions: [head][dimension]
+};
+
+// Every tile 16 rows of 64 bytes: 0-3 accumulators, 4-5 operands (scores use 0-2).
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+template <int NG, int kChunks>
+void score_chunk_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, int64_t k_off, int64_t h0,
+                       bool prefetch) {
+  constexpr int kHalves = kChunks / 2;
+  TileBuffers& t = *s.tiles;
+  const c10::BFloat16* q_heads = s.q_bf16 + h0 * p.q_stride_head;
+  for (int h = 0; h < kHalves; ++h) {
+    for (int r = 0; r < kTileRows; ++r) _mm512_store_si512(t.q[h][r], _mm512_setzero_si512());
+    for (int g = 0; g < NG; ++g) {
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q_heads + g * p.q_stride_head + h * 32);
+      for (int r = 0; r < kTileRows; ++r) t.q[h][r][g] = pairs[r];
+    }
+  }
+  const int64_t n = c.n, k_stride = p.k_stride_slot * static_cast<int64_t>(sizeof(c10::BFloat16));
+  // Up to four 16-position groups at once, one accumulator tile each, so the products overlap.
+  // (The tile intrinsics take literal tile numbers, hence a macro.)
+#define TOKENMILL_SCORE_GROUP(ACC, TG)                                                      \
+  {                                                                                         \
+    const c10::BFloat16* k = static_cast<const c10::BFloat16*>(c.k_rows[TG]) + k_off;     \
+    _tile_zero(ACC);                                                                        \
+    for (int h = 0; h < kHalves; ++h) {                                                     \
+      _tile_loadd(4, k + h * 32, k_stride);                                                 \
+      _tile_loadd(5, t.q[h], 64);                                                           \
+      _tile_dpbf16ps(ACC, 4, 5);                                                            \
+    }                                                                                       \
+    _tile_stored(ACC, t.s[ACC], 64);                                                        \
+  }
+  const int groups = static_cast<int>((n + kTileRows - 1) / kTileRows);
+  if (prefetch)
+    for (int64_t i = 0; i < n; ++i) prefetch_next(c, i);
+  TOKENMILL_SCORE_GROUP(0, 0)
+  if (groups > 1) TOKENMILL_SCORE_GROUP(1, 16)
+  if (groups > 2) TOKENMILL_SCORE_GROUP(2, 32)
+  if (groups > 3) TOKENMILL_SCORE_GROUP(3, 48)
+#undef TOKENMILL_SCORE_GROUP
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(kTileRows));
+  for (int j = 0; j < groups; ++j) {
+    const int m = static_cast<int>(std::min<int64_t>(kTileRows, n - j * kTileRows));
+    for (int g = 0; g < NG; ++g) {
+      const __m512 scores = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), &t.s[j][0][0], 4);
+      store(&s.scores[g][j * kTileRows], mul(Vec{scores}, splat(p.scale)), m);
+    }
+  }
+}
+
+// acc[g] = acc[g] * alpha[g] + sum over the chunk of scores[g][i] * V[i], for heads [h0, h0 + NG).
+template <int NG, int kChunks>
+void accumulate_values_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, int64_t v_off,
+                             int64_t h0, const float* alpha) {
+  constexpr int kHalves = kChunks / 2;
+  TileBuffers& t = *s.tiles;
+  const int64_t n = c.n;
+  const int steps = static_cast<int>((n + 31) / 32);
+  // Output word w of a dimension slice: element w / 2 of the first row (w even) or the second.
+  alignas(64) static const uint16_t kInterleave[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i low = _mm512_load_si512(kInterleave[0]), high = _mm512_load_si512(kInterleave[1]);
+  for (int st = 0; st < steps; ++st) {
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t i0 = st * 32 + 2 * r, i1 = i0 + 1;
+      const c10::BFloat16* a = i0 < n ? static_cast<const c10::BFloat16*>(c.v_rows[i0]) + v_off : nullptr;
+      const c10::BFloat16* b = i1 < n ? static_cast<const c10::BFloat16*>(c.v_rows[i1]) + v_off : nullptr;
+      for (int h = 0; h < kHalves; ++h) {
+        // Rows past the chunk are zeros: their probabilities are zero, and 0 * (stale NaN) is not.
+        const __m512i ra = a != nullptr ? _mm512_loadu_si512(a + h * 32) : _mm512_setzero_si512();
+        const __m512i rb = b != nullptr ? _mm512_loadu_si512(b + h * 32) : _mm512_setzero_si512();
+        _mm512_store_si512(t.v[st][2 * h][r], _mm512_permutex2var_epi16(ra, low, rb));
+        _mm512_store_si512(t.v[st][2 * h + 1][r], _mm512_permutex2var_epi16(ra, high, rb));
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      const float* row = s.scores[g] + st * 32;
+      const int left = static_cast<int>(n - st * 32);
+      const __m512 lo = _mm512_maskz_loadu_ps(lane_mask(std::max(0, left)), row);
+      const __m512 hi = _mm512_maskz_loadu_ps(lane_mask(std::max(0, left - kLanes)), row + kLanes);
+      _mm512_store_si512(t.p[st][g], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  for (int d0 = 0; d0 < 2 * kHalves; d0 += 4) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int st = 0; st < steps; ++st) {
+      _tile_loadd(4, t.p[st], 64);
+      _tile_loadd(5, t.v[st][d0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, t.v[st][d0 + 1], 64);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, t.v[st][d0 + 2], 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, t.v[st][d0 + 3], 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, t.o[0], 64);
+    _tile_stored(1, t.o[1], 64);
+    _tile_stored(2, t.o[2], 64);
+    _tile_stored(3, t.o[3], 64);
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) {
+        float* acc = &s.acc[(s.base + h0 + g) * p.padded_dim + (d0 + j) * kLanes];
+        store(acc, fmadd(load(acc, kLanes), splat(alpha[g]), load(t.o[j][g], kLanes)), kLanes);
+      }
+  }
+}
+#endif  // TOKENMILL_ATTENTION_AMX
+
 // One chunk for query heads [h0, h0 + NG) of KV head `kv`: scores, the online-softmax rescale, then
 // the probability-weighted sum of the value rows.
 template <int NG, int kChunks, typename scalar_t>
 void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t kv, int64_t h0,
                   bool prefetch) {
   const int64_t n = c.n;
-  score_chunk<NG, kChunks>(p, s, c, kv * p.k_stride_head, h0, prefetch);
+#ifdef TOKENMILL_ATTENTION_AMX
+  constexpr bool kTilesFit = std::is_same_v<scalar_t, c10::BFloat16> && (kChunks == 4 || kChunks == 8);
+  if constexpr (kTilesFit) {
+    if (s.tiles_now) score_chunk_tiles<NG, kChunks>(p, s, c, kv * p.k_stride_head, h0, prefetch);
+  }
+  if (!kTilesFit || !s.tiles_now)
+#endif
+    score_chunk<NG, kChunks>(p, s, c, kv * p.k_stride_head, h0, prefetch);
 
   float alpha[NG];
   for (int g = 0; g < NG; ++g) {
@@ -261,6 +429,11 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
     s.row_sum[s.base + h0 + g] = s.row_sum[s.base + h0 + g] * alpha[g] + reduce_add(sum);
   }
 
+#ifdef TOKENMILL_ATTENTION_AMX
+  if constexpr (kTilesFit) {
+    if (s.tiles_now) return accumulate_values_tiles<NG, kChunks>(p, s, c, kv * p.v_stride_head, h0, alpha);
+  }
+#endif
   // Positions outer, a span of chunks inner: NG * kSpan independent accumulators in registers, enough
   // to hide the FMA latency (one accumulator per chunk would wait on it at every position).
   const int64_t chunks = num_chunks<kChunks>(p), v_off = kv * p.v_stride_head;
@@ -332,6 +505,7 @@ void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, 
   const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
   // The bytes of a row the range reads: KV heads [kv0, kv1) (the last one only head_dim long).
   const int64_t prefetch_bytes = ((kv1 - kv0 - 1) * p.k_stride_head + p.head_dim) * elem;
+  s.tiles_now = s.tiles != nullptr && begin % p.block_size == 0;
   int cur = 0;
   if (begin < end) {
     const int64_t n = std::min<int64_t>(kChunkTokens, end - begin);
@@ -489,6 +663,14 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;
+#ifdef TOKENMILL_ATTENTION_AMX
+    std::unique_ptr<TileBuffers> tiles;
+    if (p.tiles) {
+      tiles = std::make_unique<TileBuffers>();
+      s.tiles = tiles.get();
+      configure_tiles();
+    }
+#endif
     s.q.resize(max_members * p.num_heads * p.padded_dim);
     s.acc.resize(max_members * p.num_heads * p.padded_dim);
     s.row_max.resize(max_members * p.num_heads);
@@ -500,6 +682,9 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
       const int64_t kv0 = task % tasks_per_item * kv_per_task;
       attend_item<kChunks>(p, s, order, item, kv0, kv0 + kv_per_task);
     }
+#ifdef TOKENMILL_ATTENTION_AMX
+    if (p.tiles) _tile_release();
+#endif
   }
 }
 
@@ -509,7 +694,7 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
 
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window, bool tiles) {
   TORCH_CHECK(query.dim() == 3, "query must be [S, num_heads, head_dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
               "key_cache/value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
@@ -570,6 +755,11 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
                        p.chunks = (head_dim + kLanes - 1) / kLanes;
                        p.padded_dim = p.chunks * kLanes;
                        p.scale = static_cast<float>(scale);
+#ifdef TOKENMILL_ATTENTION_AMX
+                       p.tiles = tiles && std::is_same_v<scalar_t, c10::BFloat16> && (head_dim == 64 || head_dim == 128) &&
+                                 p.block_size == kTileRows && p.num_heads / p.kv_heads <= kTileRows &&
+                                 ops::amx_permitted();
+#endif
                        if (head_dim == 64)
                          run<4>(p, num_seqs);
                        else if (head_dim == 128)
@@ -642,14 +832,15 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window) {
-  return ::tokenmill::paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window);
+  return ::tokenmill::paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                                             /*tiles=*/true);
 }
 }  // namespace tokenmill::ops
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window) -> Tensor");
+      "Tensor seq_lens, float scale, int window, bool tiles=True) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
 }
 

@@ -99,7 +99,7 @@ def _register_fake() -> None:
     """Shape-only implementation so the op can be traced by ``torch.compile``."""
 
     @torch.library.register_fake("tokenmill::paged_attention_decode")
-    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window):  # type: ignore[no-untyped-def]
+    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window, tiles=True):  # type: ignore[no-untyped-def]
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("tokenmill::rms_norm")
@@ -127,15 +127,18 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,  # [S] int32/int64, same dtype as block_tables
     scale: float,
     window: int | None = None,
+    tiles: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence attending to its cached keys/values, read through its block table.
 
     Sequence ``s`` attends to positions ``[max(0, seq_lens[s] - window), seq_lens[s])``; query head
     ``h`` uses KV head ``h // (num_heads // kv_heads)``. Float32 accumulation; returns
-    ``[S, num_heads, head_dim]`` in the query dtype. Builds the kernel on first use; raises
-    ``RuntimeError`` when it cannot.
+    ``[S, num_heads, head_dim]`` in the query dtype. ``tiles`` lets bfloat16 caches of 16-slot blocks
+    with head_dim 64 or 128 use AMX tile products where the CPU and the OS allow them (the
+    probabilities then meet the values in bfloat16, as in flash attention); False keeps the vector
+    path. Builds the kernel on first use; raises ``RuntimeError`` when it cannot.
     """
-    return _op()(query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0))
+    return _op()(query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0), tiles)
 
 
 def write_kv(

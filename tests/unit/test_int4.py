@@ -93,7 +93,8 @@ def test_dequantize_op_is_bit_identical_to_the_torch_formula(shape: tuple[int, i
 
 
 # Row counts around the kernels' boundaries: the row kernel's passes of 16, the tile kernel's row blocks
-# of 16 and passes of 4 blocks (64 rows), and the auto choice at 6 rows.
+# of 16, its passes of 2 row blocks over a pair of output blocks and of 4 over a lone last block (37
+# outputs: a pair and a block of 5), and the auto choice at 6 rows.
 ROW_COUNTS = [*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 130]
 METHODS = [0, METHOD_ROWS, METHOD_TILES] if int4_has_tiles() else [0, METHOD_ROWS]
 

@@ -137,10 +137,13 @@ void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::
 // and the input is the "B" operand in the pair-interleaved layout tile products read (tile row r holds
 // inputs 2r and 2r+1 of each of 16 input rows), laid out once per call in a scratch shared by all
 // threads. The accumulator tile holds 16 outputs x 16 input rows and is transposed on the way out.
+// Blocks are decoded and multiplied two at a time (multiply_pair: accumulators for two blocks x two
+// row blocks), so each input tile loaded, which for a large step comes from L2, feeds two products;
+// a lone last block takes multiply_block's passes of four row blocks.
 
 constexpr int kTile = 16;                 // outputs per block, input rows per row block, rows of a tile
 constexpr int kTileBytes = 1024;          // one 16 x 64-byte tile
-constexpr int kMaxRowBlocksPerPass = 4;   // accumulator tiles 0..3; tile 4 holds weights, 5..6 inputs
+constexpr int kMaxRowBlocksPerPass = 4;   // multiply_block: accumulators 0..3, weights 4, inputs 5..6
 constexpr int64_t kAmxMaxGroups = 256;    // inputs up to 8192: a block's decoded weights fit in L2
 
 struct alignas(64) TileConfig {
@@ -167,7 +170,7 @@ bool amx_permitted() {
 
 void configure_tiles() {
   TileConfig config;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.rows[t] = kTile;
     config.colsb[t] = 64;
   }
@@ -219,6 +222,22 @@ void layout_inputs(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64
   });
 }
 
+// Writes one accumulator tile ([16 outputs][16 input rows], float32) of row block j as bfloat16 to
+// outputs [o0, o0 + count) of the rows it holds.
+inline void store_block(const float (*acc)[kTile], int64_t j, int64_t rows, c10::BFloat16* out, int64_t out_stride,
+                        int64_t o0, int64_t count) {
+  const __mmask16 lanes = count >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u);
+  __m512i r[kTile];
+  for (int i = 0; i < kTile; ++i) r[i] = _mm512_load_si512(acc[i]);
+  transpose16x16(r);  // r[m]: input row m's 16 outputs
+  for (int m = 0; m < kTile; ++m) {
+    const int64_t row = j * kTile + m;
+    if (row >= rows) break;
+    const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[m]));
+    _mm256_mask_storeu_epi16(out + row * out_stride + o0, lanes, values);
+  }
+}
+
 // A block of up to 16 outputs [o0, o0 + count) over ROW_BLOCKS row blocks from j0: the decoded weight
 // tiles are in `weights` (one per group), the input tiles in `inputs`.
 template <int ROW_BLOCKS>
@@ -253,17 +272,48 @@ void multiply_block(const c10::BFloat16* weights, const uint32_t* inputs, int64_
   if constexpr (ROW_BLOCKS > 1) _tile_stored(1, acc[1], 64);
   if constexpr (ROW_BLOCKS > 2) _tile_stored(2, acc[2], 64);
   if constexpr (ROW_BLOCKS > 3) _tile_stored(3, acc[3], 64);
-  const __mmask16 lanes = count >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u);
-  for (int jb = 0; jb < ROW_BLOCKS; ++jb) {
-    __m512i r[kTile];
-    for (int i = 0; i < kTile; ++i) r[i] = _mm512_load_si512(acc[jb][i]);
-    transpose16x16(r);  // r[m]: input row m's 16 outputs
-    for (int m = 0; m < kTile; ++m) {
-      const int64_t row = (j0 + jb) * kTile + m;
-      if (row >= rows) break;
-      const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[m]));
-      _mm256_mask_storeu_epi16(out + row * out_stride + o0, lanes, values);
+  for (int jb = 0; jb < ROW_BLOCKS; ++jb) store_block(acc[jb], j0 + jb, rows, out, out_stride, o0, count);
+}
+
+// Two blocks of outputs, [o0, o0 + count0) and [o0 + 16, o0 + 16 + count1), over ROW_BLOCKS (1 or 2)
+// row blocks from j0, from their decoded weight tiles w0 and w1. Accumulators 0-3 hold [row block]
+// [block], so each input tile loaded feeds two products: the input tiles of a large step stream
+// from L2 once per block pair instead of once per block (the decoded weights stay in L1).
+template <int ROW_BLOCKS>
+void multiply_pair(const c10::BFloat16* w0, const c10::BFloat16* w1, const uint32_t* inputs, int64_t groups,
+                   int64_t j0, int64_t rows, c10::BFloat16* out, int64_t out_stride, int64_t o0, int64_t count0,
+                   int64_t count1) {
+  static_assert(ROW_BLOCKS == 1 || ROW_BLOCKS == 2, "accumulators are tiles 0..3");
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (ROW_BLOCKS > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t next = groups * (kTileBytes / 4);  // the same group of the next row block
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t* b = inputs + (j0 * groups + g) * (kTileBytes / 4);
+    _tile_loadd(4, w0 + g * (kTileBytes / 2), 64);
+    _tile_loadd(5, w1 + g * (kTileBytes / 2), 64);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (ROW_BLOCKS > 1) {
+      _tile_loadd(7, b + next, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
     }
+  }
+  alignas(64) float acc[4][kTile][kTile];  // [row block * 2 + block][output][input row]
+  _tile_stored(0, acc[0], 64);
+  _tile_stored(1, acc[1], 64);
+  if constexpr (ROW_BLOCKS > 1) {
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+  }
+  for (int jb = 0; jb < ROW_BLOCKS; ++jb) {
+    store_block(acc[2 * jb], j0 + jb, rows, out, out_stride, o0, count0);
+    store_block(acc[2 * jb + 1], j0 + jb, rows, out, out_stride, o0 + kTile, count1);
   }
 }
 
@@ -277,33 +327,49 @@ void linear_tiles(const uint32_t* inputs, int64_t rows, const uint8_t* packed, c
   // (Heap, grown once per thread: a large static thread_local array could exhaust the static TLS
   // space of a dlopen-ed library.)
   static thread_local std::vector<c10::BFloat16> scratch;
-  if (scratch.size() < static_cast<size_t>(groups * kTileBytes / 2 + 32)) scratch.resize(groups * kTileBytes / 2 + 32);
+  const size_t block_elements = static_cast<size_t>(groups * kTileBytes / 2);
+  if (scratch.size() < 2 * block_elements + 32) scratch.resize(2 * block_elements + 32);
   c10::BFloat16* weights = reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
   const Int4Groups format{packed, scales, mins, groups};
   Int4Groups::Row row;
-  configure_tiles();
-  for (int64_t o0 = begin; o0 < end; o0 += kTile) {
-    const int64_t count = std::min<int64_t>(kTile, end - o0);
+  // Decodes outputs [o0, o0 + count) into the tiles at `tiles` (zeros past count).
+  const auto decode_block = [&](c10::BFloat16* tiles, int64_t o0, int64_t count) {
     for (int64_t i = 0; i < kTile; ++i) {
       if (i >= count) {
         for (int64_t g = 0; g < groups; ++g) {
-          _mm512_storeu_si512(weights + g * (kTileBytes / 2) + i * kGroup, _mm512_setzero_si512());
+          _mm512_storeu_si512(tiles + g * (kTileBytes / 2) + i * kGroup, _mm512_setzero_si512());
         }
         continue;
       }
       const int64_t o = o0 + i;
       format.start_row(o, row);
       for (int64_t g = 0; g < groups; ++g) {
-        _mm512_storeu_si512(weights + g * (kTileBytes / 2) + i * kGroup, (__m512i)format.group(o, g, row));
+        _mm512_storeu_si512(tiles + g * (kTileBytes / 2) + i * kGroup, (__m512i)format.group(o, g, row));
       }
     }
-    for (int64_t j0 = 0; j0 < row_blocks; j0 += kMaxRowBlocksPerPass) {
-      switch (std::min<int64_t>(kMaxRowBlocksPerPass, row_blocks - j0)) {
-        case 1: multiply_block<1>(weights, inputs, groups, j0, rows, out, out_stride, o0, count); break;
-        case 2: multiply_block<2>(weights, inputs, groups, j0, rows, out, out_stride, o0, count); break;
-        case 3: multiply_block<3>(weights, inputs, groups, j0, rows, out, out_stride, o0, count); break;
-        default: multiply_block<4>(weights, inputs, groups, j0, rows, out, out_stride, o0, count); break;
+  };
+  configure_tiles();
+  for (int64_t o0 = begin; o0 < end; o0 += 2 * kTile) {
+    const int64_t count0 = std::min<int64_t>(kTile, end - o0);
+    const int64_t count1 = std::max<int64_t>(0, std::min<int64_t>(kTile, end - o0 - kTile));
+    decode_block(weights, o0, count0);
+    if (count1 == 0) {  // a last lone block
+      for (int64_t j0 = 0; j0 < row_blocks; j0 += kMaxRowBlocksPerPass) {
+        switch (std::min<int64_t>(kMaxRowBlocksPerPass, row_blocks - j0)) {
+          case 1: multiply_block<1>(weights, inputs, groups, j0, rows, out, out_stride, o0, count0); break;
+          case 2: multiply_block<2>(weights, inputs, groups, j0, rows, out, out_stride, o0, count0); break;
+          case 3: multiply_block<3>(weights, inputs, groups, j0, rows, out, out_stride, o0, count0); break;
+          default: multiply_block<4>(weights, inputs, groups, j0, rows, out, out_stride, o0, count0); break;
+        }
       }
+      continue;
+    }
+    decode_block(weights + block_elements, o0 + kTile, count1);
+    for (int64_t j0 = 0; j0 < row_blocks; j0 += 2) {
+      if (row_blocks - j0 >= 2)
+        multiply_pair<2>(weights, weights + block_elements, inputs, groups, j0, rows, out, out_stride, o0, count0, count1);
+      else
+        multiply_pair<1>(weights, weights + block_elements, inputs, groups, j0, rows, out, out_stride, o0, count0, count1);
     }
   }
   _tile_release();

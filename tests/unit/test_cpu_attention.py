@@ -330,6 +330,70 @@ def test_tile_path_agrees_with_the_vector_path_and_the_reference(
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 chunks that continue their sequence (start > 0) attend through the AMX prefill kernel
+    where the CPU allows it: 66 tokens over 1,024 positions, chunks ending inside and on block
+    boundaries, beside decodes; outputs equal the reference's to bfloat16 precision, and the new K/V
+    are stored exactly. A step with a chunk that starts its sequence keeps the reference path."""
+    calls: list[tuple[int, int]] = []
+    real = cpu_paged.paged_prefill_attention
+
+    def spy(query, key_cache, value_cache, block_table, start, scale):  # type: ignore[no-untyped-def]
+        calls.append((start, query.shape[0]))
+        return real(query, key_cache, value_cache, block_table, start, scale)
+
+    monkeypatch.setattr(cpu_paged, "paged_prefill_attention", spy)
+    chunks = ((1024, 66), (16, 40), (31, 33), (5, 64))
+    expected, actual, ref_cache, cpu_cache = run_both(
+        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17, 300], prompt_chunks=chunks
+    )
+    assert torch.equal(ref_cache, cpu_cache)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    assert calls == (list(chunks) if cpu_kernels.prefill_tiles_available() else [])
+    calls.clear()
+    expected, actual, _, _ = run_both(
+        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=((0, 40), (16, 40))
+    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    assert calls == []
+
+
+def test_prefill_kernel_checks_its_inputs() -> None:
+    if not cpu_kernels.prefill_tiles_available():
+        with pytest.raises(RuntimeError, match="needs AMX"):
+            cpu_kernels.paged_prefill_attention(
+                torch.zeros(2, 4, 64, dtype=torch.bfloat16),
+                torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+                torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+                torch.arange(4),
+                3,
+                0.125,
+            )
+        return
+    query = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="blocks must hold 16 slots, got 8"):
+        cpu_kernels.paged_prefill_attention(
+            query, cache[:, :8].contiguous(), cache[:, :8].contiguous(), torch.arange(4), 3, 0.1
+        )
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128, got 32"):
+        cpu_kernels.paged_prefill_attention(
+            query[..., :32].contiguous(),
+            cache[..., :32].contiguous(),
+            cache[..., :32].contiguous(),
+            torch.arange(4),
+            3,
+            0.1,
+        )
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(1), 15, 0.1)
+    with pytest.raises(RuntimeError, match="block id 9 outside the cache"):
+        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.tensor([9]), 3, 0.1)
+
+
 def shared_prefix_step(
     dtype: torch.dtype, block_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define TOKENMILL_INT4_AMX 1
+#include "amx_tiles.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -145,14 +146,8 @@ constexpr int kTile = 16;                 // outputs per block, input rows per r
 constexpr int kTileBytes = 1024;          // one 16 x 64-byte tile
 constexpr int kMaxRowBlocksPerPass = 4;   // multiply_block: accumulators 0..3, weights 4, inputs 5..6
 constexpr int64_t kAmxMaxGroups = 256;    // inputs up to 8192: a block's decoded weights fit in L2
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::configure_tiles;
+using amx::transpose16x16;
 
 // Linux gives a process the AMX tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); a VM whose hypervisor does not pass AMX through refuses, and then the row
@@ -166,40 +161,6 @@ bool amx_permitted() {
     permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   });
   return permitted;
-}
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTile;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
-// r[a][c] -> r[c][a]: a 16 x 16 transpose of 32-bit elements in registers (pairs, then quadruples
-// within 128-bit lanes, then a 4 x 4 transpose of the lanes).
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[4][4];  // u[q][k]: rows 4k..4k+3 of column 4L + q in lane L
-  for (int k = 0; k < 4; ++k) {
-    u[0][k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    u[1][k] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    u[2][k] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    u[3][k] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512i s0 = _mm512_shuffle_i32x4(u[q][0], u[q][1], 0x44), s1 = _mm512_shuffle_i32x4(u[q][0], u[q][1], 0xEE);
-    const __m512i s2 = _mm512_shuffle_i32x4(u[q][2], u[q][3], 0x44), s3 = _mm512_shuffle_i32x4(u[q][2], u[q][3], 0xEE);
-    r[q] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    r[4 + q] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-    r[8 + q] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    r[12 + q] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-  }
 }
 
 // The input [rows, in] in tile products' "B" layout: for row block j and group g, a 1 KiB tile whose

@@ -45,6 +45,7 @@
 
 #if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_ATTENTION_AMX 1
+#include "amx_tiles.h"
 #endif
 
 namespace tokenmill {
@@ -254,16 +255,9 @@ void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, in
 // the vector path's, and P is rounded to bfloat16 (as flash attention kernels do), so results agree
 // with it to bfloat16 precision, not bitwise. Which path a chunk takes depends only on the problem
 // and the range's first position, so a sequence gets the same bits alone, batched or grouped.
-constexpr int kTileRows = 16;
+using amx::configure_tiles;
+using amx::kTileRows;
 constexpr int kMaxHalves = kMaxHeadDim / 32;  // 32-dimension slices of a head
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 struct alignas(64) TileBuffers {
   uint32_t q[kMaxHalves][kTileRows][kTileRows];            // Q^T per 32 dimensions: [pair][head]
@@ -272,16 +266,6 @@ struct alignas(64) TileBuffers {
   c10::BFloat16 v[2][2 * kMaxHalves][kTileRows][32];       // V per 32 positions, per 16 dimensions
   float o[4][kTileRows][kTileRows];                        // P V per 16 dimensions: [head][dimension]
 };
-
-// Every tile 16 rows of 64 bytes: 0-3 accumulators, 4-5 operands (scores use 0-2).
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 template <int NG, int kChunks>
 void score_chunk_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, int64_t k_off, int64_t h0,
@@ -337,12 +321,6 @@ void accumulate_values_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const 
   TileBuffers& t = *s.tiles;
   const int64_t n = c.n;
   const int steps = static_cast<int>((n + 31) / 32);
-  // Output word w of a dimension slice: element w / 2 of the first row (w even) or the second.
-  alignas(64) static const uint16_t kInterleave[2][32] = {
-      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-  const __m512i low = _mm512_load_si512(kInterleave[0]), high = _mm512_load_si512(kInterleave[1]);
   for (int st = 0; st < steps; ++st) {
     for (int r = 0; r < kTileRows; ++r) {
       const int64_t i0 = st * 32 + 2 * r, i1 = i0 + 1;
@@ -352,8 +330,10 @@ void accumulate_values_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const 
         // Rows past the chunk are zeros: their probabilities are zero, and 0 * (stale NaN) is not.
         const __m512i ra = a != nullptr ? _mm512_loadu_si512(a + h * 32) : _mm512_setzero_si512();
         const __m512i rb = b != nullptr ? _mm512_loadu_si512(b + h * 32) : _mm512_setzero_si512();
-        _mm512_store_si512(t.v[st][2 * h][r], _mm512_permutex2var_epi16(ra, low, rb));
-        _mm512_store_si512(t.v[st][2 * h + 1][r], _mm512_permutex2var_epi16(ra, high, rb));
+        __m512i low, high;
+        amx::interleave_pairs(ra, rb, &low, &high);
+        _mm512_store_si512(t.v[st][2 * h][r], low);
+        _mm512_store_si512(t.v[st][2 * h + 1][r], high);
       }
     }
     for (int g = 0; g < NG; ++g) {

@@ -31,8 +31,9 @@ SOURCES = [
     CSRC / "int4_gemm_cpu.cpp",
     CSRC / "decoder_layer_cpu.cpp",
     CSRC / "q8_gemm_cpu.cpp",
+    CSRC / "prefill_attention_cpu.cpp",
 ]
-HEADERS = [CSRC / "vec16.h", CSRC / "cpu_ops.h", CSRC / "group_gemm.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "cpu_ops.h", CSRC / "group_gemm.h", CSRC / "amx_tiles.h"]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -102,6 +103,10 @@ def _register_fake() -> None:
     def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window, tiles=True):  # type: ignore[no-untyped-def]
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake("tokenmill::paged_prefill_attention")
+    def _prefill(query, key_cache, value_cache, block_table, start, scale):  # type: ignore[no-untyped-def]
+        return query.new_empty(query.shape)
+
     @torch.library.register_fake("tokenmill::rms_norm")
     def _rms(x, weight, eps):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape)
@@ -139,6 +144,31 @@ def paged_attention_decode(
     path. Builds the kernel on first use; raises ``RuntimeError`` when it cannot.
     """
     return _op()(query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0), tiles)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim] bfloat16
+    key_cache: torch.Tensor,  # [num_blocks, 16, kv_heads, head_dim] bfloat16, contiguous
+    value_cache: torch.Tensor,  # [num_blocks, 16, kv_heads, head_dim] bfloat16, contiguous
+    block_table: torch.Tensor,  # [max_blocks] int64: one sequence's blocks
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's chunk of ``T`` new tokens at positions ``start .. start + T - 1`` attending to its
+    cached keys/values (this step's already stored), causally: token ``t`` sees positions
+    ``[0, start + t]``. AMX tile products straight from the cache blocks (``csrc/prefill_attention_cpu.cpp``);
+    bfloat16, 16-slot blocks, head_dim 64 or 128, and ``prefill_tiles_available()`` only. Returns
+    ``[T, num_heads, head_dim]`` bfloat16; RuntimeError otherwise."""
+    _op()  # builds the kernels, or raises
+    return torch.ops.tokenmill.paged_prefill_attention(
+        query, key_cache, value_cache, block_table, start, scale
+    )
+
+
+@functools.cache
+def prefill_tiles_available() -> bool:
+    """Whether ``paged_prefill_attention`` runs here: the kernels built, and the CPU and the OS grant AMX."""
+    return load_error() is None and bool(torch.ops.tokenmill.paged_prefill_available())
 
 
 def write_kv(

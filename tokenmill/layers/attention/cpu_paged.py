@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.attention.torch_ref import TorchPagedAttention
-from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, paged_attention_decode, write_kv
+from tokenmill.layers.attention.torch_ref import PER_SEQUENCE_MIN_QUERIES, TorchPagedAttention
+from tokenmill.layers.cpu_kernels import (
+    MAX_HEAD_DIM,
+    paged_attention_decode,
+    paged_prefill_attention,
+    prefill_tiles_available,
+    write_kv,
+)
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,6 +84,18 @@ class CpuPagedAttention(TorchPagedAttention):
         group: AttentionGroup,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> None:
+        if self._prefill_tiles_take(query.dtype, kv_cache, group):
+            assert group.spans is not None and group.block_tables is not None
+            for s, (row, start, num_new) in enumerate(group.spans):
+                out[row : row + num_new] = paged_prefill_attention(
+                    query[row : row + num_new],
+                    kv_cache[0],
+                    kv_cache[1],
+                    group.block_tables[s],
+                    start,
+                    self.scale,
+                )  # [num_new, num_heads, head_dim]
+            return
         if not self._kernel_handles(query.dtype, kv_cache, group):
             super()._attend_group(query, kv_cache, group, out)
             return
@@ -103,6 +121,27 @@ class CpuPagedAttention(TorchPagedAttention):
             write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
         else:
             super()._store_kv(key, value, kv_cache, slot_mapping)
+
+    def _prefill_tiles_take(self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup) -> bool:
+        """Whether ``group``'s prompt chunks attend through the AMX prefill kernel: bfloat16, 16-slot
+        blocks, head_dim 64 or 128, no window, and every chunk continues a sequence (``start > 0``:
+        over a cached prefix or an earlier chunk) with fewer than ``PER_SEQUENCE_MIN_QUERIES`` tokens.
+        There the kernel reads the blocks in place where the reference gathers them and runs SDPA
+        under a mask (66 tokens over 1,024 cached positions, SmolLM2's heads: 0.41 vs 0.61 ms a layer);
+        a chunk that starts its sequence keeps causal SDPA, which is as fast (128 tokens: 0.16 vs 0.19
+        ms), and so do long chunks (256 over 256: 0.62 vs 0.64 ms)."""
+        return (
+            dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16
+            and kv_cache.shape[2] == 16
+            and self.head_dim in (64, 128)
+            and group.num_queries > 1
+            and group.sliding_window is None
+            and group.spans is not None
+            and group.block_tables is not None
+            and all(start > 0 and num_new < PER_SEQUENCE_MIN_QUERIES for _, start, num_new in group.spans)
+            and prefill_tiles_available()
+        )
 
     def _kernel_takes_short_chunks(
         self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup

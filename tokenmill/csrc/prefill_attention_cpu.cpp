@@ -132,7 +132,8 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
   alignas(64) c10::BFloat16 probs[2][kTileRows][32];     // "A" operands of P V, per 32 positions
   alignas(64) float partial[4][kTileRows][kTileRows];    // P V per 16 dimensions: [row][dimension]
   alignas(64) float acc[kTileRows][128];                 // unnormalised outputs
-  float row_max[kTileRows], row_sum[kTileRows], alpha[kTileRows];
+  float row_max[kTileRows], row_sum[kTileRows];
+  alignas(64) float alpha[kTileRows];
   int64_t limit[kTileRows];  // last position each row attends to
   for (int i = 0; i < kTileRows; ++i) {
     if (i < valid) {
@@ -151,17 +152,29 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
   const int64_t end = limit[valid - 1] + 1;  // rows are token-major: the last valid row sees furthest
   const int64_t q_stride = 128 * static_cast<int64_t>(sizeof(c10::BFloat16));
   const int64_t chunks = p.head_dim / 16;
+  if (p.halves == 2) {
+    _tile_loadd(6, &q[0][0], q_stride);
+    _tile_loadd(7, &q[0][32], q_stride);
+  }
   for (int64_t pos0 = 0; pos0 < end; pos0 += kStep) {
     const int tiles = static_cast<int>(std::min<int64_t>(4, (end - pos0 + kTileRows - 1) / kTileRows));
     const int64_t block0 = pos0 / kTileRows;
     // (The tile intrinsics take literal tile numbers, hence a macro.)
+    // head_dim 64: the queries stay in tiles 6 and 7 for the whole task; 128: reloaded per tile.
 #define TOKENMILL_SCORE_TILE(T)                                                    \
   {                                                                                \
     _tile_zero(T);                                                                 \
-    for (int64_t half = 0; half < p.halves; ++half) {                              \
-      _tile_loadd(4, &q[0][half * 32], q_stride);                                  \
-      _tile_loadd(5, key_tile(p, kv, block0 + (T), half), 64);                     \
-      _tile_dpbf16ps(T, 4, 5);                                                     \
+    if (p.halves == 2) {                                                           \
+      _tile_loadd(5, key_tile(p, kv, block0 + (T), 0), 64);                        \
+      _tile_dpbf16ps(T, 6, 5);                                                     \
+      _tile_loadd(4, key_tile(p, kv, block0 + (T), 1), 64);                        \
+      _tile_dpbf16ps(T, 7, 4);                                                     \
+    } else {                                                                       \
+      for (int64_t half = 0; half < p.halves; ++half) {                            \
+        _tile_loadd(4, &q[0][half * 32], q_stride);                                \
+        _tile_loadd(5, key_tile(p, kv, block0 + (T), half), 64);                   \
+        _tile_dpbf16ps(T, 4, 5);                                                   \
+      }                                                                            \
     }                                                                              \
     _tile_stored(T, scores[T], 64);                                                \
   }
@@ -170,31 +183,42 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     if (tiles > 2) TOKENMILL_SCORE_TILE(2)
     if (tiles > 3) TOKENMILL_SCORE_TILE(3)
 #undef TOKENMILL_SCORE_TILE
+    // Scaled, masked scores in place, and each row's new running maximum.
+    alignas(64) float old_max[kTileRows], new_max[kTileRows];
     for (int i = 0; i < kTileRows; ++i) {
-      Vec x[4];
       Vec best = splat(kNegInf);
       for (int j = 0; j < 4; ++j) {
         // Lanes past the row's limit (or past this step's tiles) are -inf: no weight.
         const int64_t allowed = j < tiles ? std::clamp<int64_t>(limit[i] - pos0 - j * kTileRows + 1, 0, kLanes) : 0;
-        x[j] = load_or(scores[j][i], static_cast<int>(allowed), kNegInf);
-        x[j] = Vec{_mm512_mask_mul_ps(x[j].v, lane_mask(static_cast<int>(allowed)), x[j].v, _mm512_set1_ps(p.scale))};
-        best = max(best, x[j]);
+        const __mmask16 lanes = lane_mask(static_cast<int>(allowed));
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), lanes, _mm512_maskz_loadu_ps(lanes, scores[j][i]),
+                                            _mm512_set1_ps(p.scale));
+        _mm512_store_ps(scores[j][i], x);
+        best = max(best, Vec{x});
       }
-      const float step_max = reduce_max(best);
-      const float new_max = std::max(row_max[i], step_max);
-      if (new_max == kNegInf) {  // a padding row, or nothing allowed yet: no weight anywhere
-        alpha[i] = 1.0f;
+      old_max[i] = row_max[i];
+      new_max[i] = std::max(row_max[i], reduce_max(best));
+      row_max[i] = new_max[i];
+    }
+    // The rescale of what each row summed so far, one vector exp for the 16 rows: exp(old - new),
+    // 0 for a row with nothing yet (old = -inf), 1 for a row with nothing at all (padding).
+    {
+      const __m512 olds = _mm512_load_ps(old_max), news = _mm512_load_ps(new_max);
+      const __mmask16 nothing = _mm512_cmp_ps_mask(news, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+      const __m512 diff = _mm512_mask_mov_ps(_mm512_sub_ps(olds, news), nothing, _mm512_setzero_ps());
+      _mm512_storeu_ps(alpha, exp(Vec{diff}).v);  // exp(-inf) = 0 where only old is -inf
+    }
+    for (int i = 0; i < kTileRows; ++i) {
+      if (new_max[i] == kNegInf) {  // a padding row: no weight anywhere
         for (int j = 0; j < 2; ++j) _mm512_store_si512(probs[j][i], _mm512_setzero_si512());
         continue;
       }
-      alpha[i] = row_max[i] == kNegInf ? 0.0f : std::exp(row_max[i] - new_max);
       Vec sum = zero();
       Vec prob[4];
       for (int j = 0; j < 4; ++j) {
-        prob[j] = exp(sub(x[j], splat(new_max)));  // exp(-inf) = 0 for the masked lanes
+        prob[j] = exp(sub(Vec{_mm512_load_ps(scores[j][i])}, splat(new_max[i])));  // masked lanes: 0
         sum = add(sum, prob[j]);
       }
-      row_max[i] = new_max;
       row_sum[i] = row_sum[i] * alpha[i] + reduce_add(sum);
       for (int j = 0; j < 2; ++j)
         _mm512_store_si512(probs[j][i], (__m512i)_mm512_cvtne2ps_pbh(prob[2 * j + 1].v, prob[2 * j].v));

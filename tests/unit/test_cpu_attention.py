@@ -316,7 +316,7 @@ def test_tile_path_agrees_with_the_vector_path_and_the_reference(
 
     tiled, vector = call(True), call(False)
     torch.testing.assert_close(tiled.float(), vector.float(), atol=ATOL[torch.bfloat16], rtol=0)
-    if torch.ops.tokenmill.int4_has_tiles():
+    if cpu_kernels.attention_tiles_available():
         # AMX ran: the tile path's sums (and its bfloat16 probabilities) are not the vector path's
         # bits, but for the 337-token sequence under the window of 50, whose range starts at 287.
         assert not torch.equal(tiled, vector)
@@ -352,7 +352,7 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_refere
     )
     assert torch.equal(ref_cache, cpu_cache)
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
-    assert calls == (list(chunks) if cpu_kernels.prefill_tiles_available() else [])
+    assert calls == (list(chunks) if cpu_kernels.attention_tiles_available() else [])
     calls.clear()
     expected, actual, _, _ = run_both(
         num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=((0, 40), (16, 40))
@@ -362,7 +362,7 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_refere
 
 
 def test_prefill_kernel_checks_its_inputs() -> None:
-    if not cpu_kernels.prefill_tiles_available():
+    if not cpu_kernels.attention_tiles_available():
         with pytest.raises(RuntimeError, match="needs AMX"):
             cpu_kernels.paged_prefill_attention(
                 torch.zeros(2, 4, 64, dtype=torch.bfloat16),

@@ -1,9 +1,11 @@
 // AMX tile helpers shared by the CPU kernels that multiply on tiles (int4_gemm_cpu.cpp,
 // paged_attention_cpu.cpp, prefill_attention_cpu.cpp): the tile configuration every one of them
-// uses (each of the 8 tiles 16 rows of 64 bytes) and a 16 x 16 transpose of 32-bit elements.
+// uses (each of the 8 tiles 16 rows of 64 bytes), a 16 x 16 transpose of 32-bit elements, and the
+// value side of attention's P V (value rows laid out as tile operands, the products of four tiles).
 // Include only where __AMX_TILE__ and __AMX_BF16__ are defined.
 #pragma once
 
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -11,6 +13,7 @@
 namespace tokenmill::amx {
 
 constexpr int kTileRows = 16;
+constexpr int64_t kTileBytes = 1024;  // one 16 x 64-byte tile
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -65,6 +68,48 @@ inline void interleave_pairs(__m512i a, __m512i b, __m512i* low, __m512i* high) 
        30, 62, 31, 63}};
   *low = _mm512_permutex2var_epi16(a, _mm512_load_si512(kIndex[0]), b);
   *high = _mm512_permutex2var_epi16(a, _mm512_load_si512(kIndex[1]), b);
+}
+
+// Value rows a and b (32 * halves bfloat16 each; nullptr: zeros, for positions past the end, whose
+// probabilities are zero where 0 * a stale NaN would not be) as row r of the pair-interleaved "B"
+// tiles of P V: the tile of dimensions [16 c, 16 c + 16) starts at tiles + c * kTileBytes.
+inline void interleave_value_rows(const c10::BFloat16* a, const c10::BFloat16* b, int64_t halves, int r,
+                                  char* tiles) {
+  for (int64_t half = 0; half < halves; ++half) {
+    const __m512i ra = a != nullptr ? _mm512_loadu_si512(a + half * 32) : _mm512_setzero_si512();
+    const __m512i rb = b != nullptr ? _mm512_loadu_si512(b + half * 32) : _mm512_setzero_si512();
+    __m512i low, high;
+    interleave_pairs(ra, rb, &low, &high);
+    _mm512_store_si512(tiles + 2 * half * kTileBytes + r * 64, low);
+    _mm512_store_si512(tiles + (2 * half + 1) * kTileBytes + r * 64, high);
+  }
+}
+
+// partial[j] = sum over s < steps of P_s V_{s, j}, for four 16-dimension tiles j: P_s (the "A"
+// operand: 16 rows x 32 positions in bfloat16) at probs + s * kTileBytes, V_{s, j} (laid out by
+// interleave_value_rows) at values + s * value_step_bytes + j * kTileBytes. Uses tiles 0-5.
+inline void multiply_values(const char* probs, const char* values, int64_t value_step_bytes, int steps,
+                            float (*partial)[kTileRows][kTileRows]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int s = 0; s < steps; ++s) {
+    const char* v = values + s * value_step_bytes;
+    _tile_loadd(4, probs + s * kTileBytes, 64);
+    _tile_loadd(5, v, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, v + kTileBytes, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, v + 2 * kTileBytes, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, v + 3 * kTileBytes, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, partial[0], 64);
+  _tile_stored(1, partial[1], 64);
+  _tile_stored(2, partial[2], 64);
+  _tile_stored(3, partial[3], 64);
 }
 
 }  // namespace tokenmill::amx

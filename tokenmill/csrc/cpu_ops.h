@@ -12,6 +12,8 @@ namespace tokenmill::ops {
 
 // Whether this process may use AMX tiles (Linux grants the tile state on request; a VM may refuse).
 bool amx_permitted();
+// Whether the attention kernels' tile paths run here: built with AMX and AVX512-BF16, and permitted.
+bool attention_tiles_available();
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);

@@ -143,10 +143,10 @@ void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::
 // a lone last block takes multiply_block's passes of four row blocks.
 
 constexpr int kTile = 16;                 // outputs per block, input rows per row block, rows of a tile
-constexpr int kTileBytes = 1024;          // one 16 x 64-byte tile
 constexpr int kMaxRowBlocksPerPass = 4;   // multiply_block: accumulators 0..3, weights 4, inputs 5..6
 constexpr int64_t kAmxMaxGroups = 256;    // inputs up to 8192: a block's decoded weights fit in L2
 using amx::configure_tiles;
+using amx::kTileBytes;
 using amx::transpose16x16;
 
 // Linux gives a process the AMX tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for

@@ -326,15 +326,7 @@ void accumulate_values_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const 
       const int64_t i0 = st * 32 + 2 * r, i1 = i0 + 1;
       const c10::BFloat16* a = i0 < n ? static_cast<const c10::BFloat16*>(c.v_rows[i0]) + v_off : nullptr;
       const c10::BFloat16* b = i1 < n ? static_cast<const c10::BFloat16*>(c.v_rows[i1]) + v_off : nullptr;
-      for (int h = 0; h < kHalves; ++h) {
-        // Rows past the chunk are zeros: their probabilities are zero, and 0 * (stale NaN) is not.
-        const __m512i ra = a != nullptr ? _mm512_loadu_si512(a + h * 32) : _mm512_setzero_si512();
-        const __m512i rb = b != nullptr ? _mm512_loadu_si512(b + h * 32) : _mm512_setzero_si512();
-        __m512i low, high;
-        amx::interleave_pairs(ra, rb, &low, &high);
-        _mm512_store_si512(t.v[st][2 * h][r], low);
-        _mm512_store_si512(t.v[st][2 * h + 1][r], high);
-      }
+      amx::interleave_value_rows(a, b, kHalves, r, reinterpret_cast<char*>(t.v[st][0]));  // past the chunk: zeros
     }
     for (int g = 0; g < NG; ++g) {
       const float* row = s.scores[g] + st * 32;
@@ -345,25 +337,8 @@ void accumulate_values_tiles(const Problem<c10::BFloat16>& p, Scratch& s, const 
     }
   }
   for (int d0 = 0; d0 < 2 * kHalves; d0 += 4) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int st = 0; st < steps; ++st) {
-      _tile_loadd(4, t.p[st], 64);
-      _tile_loadd(5, t.v[st][d0], 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, t.v[st][d0 + 1], 64);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, t.v[st][d0 + 2], 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, t.v[st][d0 + 3], 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, t.o[0], 64);
-    _tile_stored(1, t.o[1], 64);
-    _tile_stored(2, t.o[2], 64);
-    _tile_stored(3, t.o[3], 64);
+    amx::multiply_values(reinterpret_cast<const char*>(t.p), reinterpret_cast<const char*>(t.v[0][d0]),
+                         sizeof(t.v[0]), steps, t.o);
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < 4; ++j) {
         float* acc = &s.acc[(s.base + h0 + g) * p.padded_dim + (d0 + j) * kLanes];
@@ -646,7 +621,7 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
 #ifdef TOKENMILL_ATTENTION_AMX
     std::unique_ptr<TileBuffers> tiles;
     if (p.tiles) {
-      tiles = std::make_unique<TileBuffers>();
+      tiles = std::make_unique_for_overwrite<TileBuffers>();  // every part read is written first
       s.tiles = tiles.get();
       configure_tiles();
     }
@@ -738,7 +713,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 #ifdef TOKENMILL_ATTENTION_AMX
                        p.tiles = tiles && std::is_same_v<scalar_t, c10::BFloat16> && (head_dim == 64 || head_dim == 128) &&
                                  p.block_size == kTileRows && p.num_heads / p.kv_heads <= kTileRows &&
-                                 ops::amx_permitted();
+                                 ops::attention_tiles_available();
 #endif
                        if (head_dim == 64)
                          run<4>(p, num_seqs);
@@ -805,6 +780,13 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 }  // namespace tokenmill
 
 namespace tokenmill::ops {
+bool attention_tiles_available() {
+#ifdef TOKENMILL_ATTENTION_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
               const at::Tensor& slot_mapping) {
   ::tokenmill::write_kv(key, value, key_cache, value_cache, slot_mapping);
@@ -822,6 +804,7 @@ TORCH_LIBRARY(tokenmill, m) {
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window, bool tiles=True) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("attention_tiles_available() -> bool", &tokenmill::ops::attention_tiles_available);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

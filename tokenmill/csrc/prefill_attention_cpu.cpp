@@ -12,7 +12,7 @@
 //   start        the position of the chunk's first token: token t attends to positions [0, start + t]
 //   returns      [T, num_heads, head_dim] bfloat16: softmax(q . K^T * scale) . V per query head, query
 //                head h reading KV head h / (num_heads / kv_heads)
-//   Needs AMX (paged_prefill_available()); raises otherwise.
+//   Needs the attention tile path (attention_tiles_available()); raises otherwise.
 //
 // Why: a chunk over a cached prefix (the next turn of a conversation, a question after a shared
 // system prompt) went through a gather of its keys and values into contiguous tensors and SDPA under
@@ -49,7 +49,7 @@ namespace {
 
 bool prefill_available() {
 #ifdef TOKENMILL_PREFILL_AMX
-  return ops::amx_permitted();
+  return ops::attention_tiles_available();
 #else
   return false;
 #endif
@@ -60,7 +60,7 @@ using namespace vec;
 using amx::kTileRows;
 
 constexpr int kStep = 64;      // positions per online-softmax step: four score tiles
-constexpr int kTileWords = 256;  // one 16 x 64-byte tile in 32-bit words
+constexpr int64_t kTileWords = amx::kTileBytes / 4;  // one tile in 32-bit words
 
 struct Problem {
   const c10::BFloat16* query;
@@ -110,15 +110,7 @@ void lay_out_values(const Problem& p, int64_t kv, int64_t step) {
       return p.value_cache + p.table[pos / kTileRows] * p.stride_block + (pos % kTileRows) * p.stride_slot +
              kv * p.stride_head;
     };
-    const c10::BFloat16 *a = row(p0), *b = row(p1);
-    for (int64_t half = 0; half < p.halves; ++half) {
-      const __m512i ra = a != nullptr ? _mm512_loadu_si512(a + half * 32) : _mm512_setzero_si512();
-      const __m512i rb = b != nullptr ? _mm512_loadu_si512(b + half * 32) : _mm512_setzero_si512();
-      __m512i low, high;
-      amx::interleave_pairs(ra, rb, &low, &high);
-      _mm512_store_si512(value_tile(p, kv, step, 2 * half) + r * kTileRows, low);
-      _mm512_store_si512(value_tile(p, kv, step, 2 * half + 1) + r * kTileRows, high);
-    }
+    amx::interleave_value_rows(row(p0), row(p1), p.halves, r, reinterpret_cast<char*>(value_tile(p, kv, step, 0)));
   }
 }
 
@@ -226,25 +218,9 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     const int steps = (tiles + 1) / 2;  // of 32 positions
     const int64_t value_step0 = pos0 / 32;
     for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int s = 0; s < steps; ++s) {
-        _tile_loadd(4, probs[s], 64);
-        _tile_loadd(5, value_tile(p, kv, value_step0 + s, c0), 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, value_tile(p, kv, value_step0 + s, c0 + 1), 64);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, value_tile(p, kv, value_step0 + s, c0 + 2), 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, value_tile(p, kv, value_step0 + s, c0 + 3), 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(0, partial[0], 64);
-      _tile_stored(1, partial[1], 64);
-      _tile_stored(2, partial[2], 64);
-      _tile_stored(3, partial[3], 64);
+      amx::multiply_values(reinterpret_cast<const char*>(probs),
+                           reinterpret_cast<const char*>(value_tile(p, kv, value_step0, c0)),
+                           (p.head_dim / 16) * amx::kTileBytes, steps, partial);
       for (int i = 0; i < valid; ++i)
         for (int j = 0; j < 4; ++j) {
           float* out = acc[i] + (c0 + j) * kLanes;
@@ -350,7 +326,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, int start, "
       "float scale) -> Tensor");
-  m.def("paged_prefill_available() -> bool", &tokenmill::prefill_available);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention); }

@@ -157,7 +157,7 @@ def paged_prefill_attention(
     """One sequence's chunk of ``T`` new tokens at positions ``start .. start + T - 1`` attending to its
     cached keys/values (this step's already stored), causally: token ``t`` sees positions
     ``[0, start + t]``. AMX tile products straight from the cache blocks (``csrc/prefill_attention_cpu.cpp``);
-    bfloat16, 16-slot blocks, head_dim 64 or 128, and ``prefill_tiles_available()`` only. Returns
+    bfloat16, 16-slot blocks, head_dim 64 or 128, and ``attention_tiles_available()`` only. Returns
     ``[T, num_heads, head_dim]`` bfloat16; RuntimeError otherwise."""
     _op()  # builds the kernels, or raises
     return torch.ops.tokenmill.paged_prefill_attention(
@@ -166,9 +166,10 @@ def paged_prefill_attention(
 
 
 @functools.cache
-def prefill_tiles_available() -> bool:
-    """Whether ``paged_prefill_attention`` runs here: the kernels built, and the CPU and the OS grant AMX."""
-    return load_error() is None and bool(torch.ops.tokenmill.paged_prefill_available())
+def attention_tiles_available() -> bool:
+    """Whether the attention kernels' AMX tile paths run here (``paged_prefill_attention``, and
+    ``paged_attention_decode`` with ``tiles``): the kernels built, and the CPU and the OS grant AMX."""
+    return load_error() is None and bool(torch.ops.tokenmill.attention_tiles_available())
 
 
 def write_kv(

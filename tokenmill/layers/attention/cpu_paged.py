@@ -18,9 +18,9 @@ import torch
 from tokenmill.layers.attention.torch_ref import PER_SEQUENCE_MIN_QUERIES, TorchPagedAttention
 from tokenmill.layers.cpu_kernels import (
     MAX_HEAD_DIM,
+    attention_tiles_available,
     paged_attention_decode,
     paged_prefill_attention,
-    prefill_tiles_available,
     write_kv,
 )
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
@@ -140,7 +140,7 @@ class CpuPagedAttention(TorchPagedAttention):
             and group.spans is not None
             and group.block_tables is not None
             and all(start > 0 and num_new < PER_SEQUENCE_MIN_QUERIES for _, start, num_new in group.spans)
-            and prefill_tiles_available()
+            and attention_tiles_available()
         )
 
     def _kernel_takes_short_chunks(

@@ -161,7 +161,9 @@ class SchedulerConfig:
     target (``core/step_time.py`` predicts it) and within the median of that tier's recent
     first-token steps of their own, and a step where a request of that tier waits for
     its first token serves only that tier and better ones, at most ``max_exclusive_steps`` steps in
-    a row (0: never) before a step serves everyone.
+    a row (0: never) before a step serves everyone. ``first_token_pass`` runs a step that finishes
+    prompts beside other work in two passes, the finishing prefills first, so that their first
+    tokens go out without waiting for the rest (``core/first_token_pass.py``; the CLI's default).
     """
 
     max_num_batched_tokens: int = 2048
@@ -177,6 +179,7 @@ class SchedulerConfig:
     slo_margin: float = 0.8
     ttft_step_fraction: float = 1 / 3
     max_exclusive_steps: int = 4
+    first_token_pass: bool = False
 
     def ttft_target_tiers(self) -> set[str]:
         """The names of the tiers with a TTFT target (steps may be cut for their arrivals)."""

@@ -165,6 +165,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "time to first token least; fill (the Python API's default) as many as the token budget holds",
     )
     scheduler.add_argument(
+        "--first-token-pass",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a step that finishes prompts beside other work in two passes, the finishing prefills "
+        "first, so their first tokens do not wait for the decodes (default here; off in the Python API)",
+    )
+    scheduler.add_argument(
         "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
     )
     tiers = parser.add_argument_group("service tiers and fairness")
@@ -253,6 +260,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,
         "admission": args.admission,
+        "first_token_pass": args.first_token_pass,
         "max_waiting": args.max_waiting,
         "tiers": build_tiers(args.tier, args.tier_slo),
         "slo_guard_share": args.slo_guard_share,

@@ -10,9 +10,10 @@ import logging
 import time
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
 from tokenmill.core.kv.manager import KVCacheManager
-from tokenmill.core.request import Request
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.executor.inprocess import InProcessExecutor
 from tokenmill.loader import ModelSource
@@ -71,6 +72,9 @@ class EngineCore:
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self._timed_a_step = False
+        # The rest of a step whose first pass ran the prompts it finishes (core/first_token_pass.py).
+        self._second_pass: SchedulerOutput | None = None
+        self.num_split_steps = 0  # steps run as a first-token pass and a second pass
         self.num_interrupted_steps = 0  # steps abandoned for a latency-critical arrival
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
@@ -116,6 +120,7 @@ class EngineCore:
                 self.step()
         finally:
             self.scheduler = scheduler
+            self._second_pass = None
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_queried_tokens = self.kv_manager.prefix_hit_tokens = 0
         return time.perf_counter() - started
@@ -138,13 +143,13 @@ class EngineCore:
         return self.scheduler.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._second_pass is not None
 
     def step(self) -> EngineCoreOutputs:
         failed = self._fail_broken_grammars()
         forced_before = self.scheduler.num_forced_tokens_total
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self._next_pass()
         plan.grammar_bitmask = self.structured.step_bitmask(plan.scheduled, self.scheduler.requests)
         if plan.is_empty and not failed and self.structured.has_pending():
             # Everything runnable waits for a grammar: block on the compiler rather than spin.
@@ -164,6 +169,27 @@ class EngineCore:
             self.scheduler.record_step_time(plan, time.perf_counter() - started)
         self._timed_a_step = self._timed_a_step or not plan.is_empty
         return self._outputs(outputs, plan, forced_before)
+
+    def _next_pass(self) -> SchedulerOutput:
+        """The second pass of the step under way (``core/first_token_pass.py``), without the requests
+        that ended since its first pass; else a new plan, split in two passes where that is on and
+        the plan finishes prompts beside other work."""
+        if self._second_pass is not None:
+            plan, self._second_pass = self._second_pass, None
+            requests = self.scheduler.requests
+            plan.scheduled = [
+                entry
+                for entry in plan.scheduled
+                if entry.request_id in requests and requests[entry.request_id].status == RequestStatus.RUNNING
+            ]
+            return plan
+        plan = self.scheduler.schedule()
+        if self.config.scheduler.first_token_pass:
+            passes = split_first_tokens(plan)
+            if passes is not None:
+                plan, self._second_pass = passes
+                self.num_split_steps += 1
+        return plan
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """Let steps the scheduler marks interruptible be abandoned when ``flag`` is raised

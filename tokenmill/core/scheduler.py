@@ -95,6 +95,9 @@ class SchedulerOutput:
     first_token_exclusive: bool = False
     # The model may abandon this step between layers for a latency-critical arrival (core/interrupt.py).
     interruptible: bool = False
+    # Requests whose blocks computed in this step other requests of it attend to (same-step prefix
+    # sharing): the step's keys and values must be written before those requests attend.
+    shared_sources: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +147,8 @@ class Scheduler:
         self._first_token_step_times: deque[float] = deque(maxlen=FIRST_TOKEN_STEPS_KEPT)
         # Whether the last planned step was abandoned (step_interrupted): the next one is not cut.
         self._last_step_interrupted = False
-        self._shares_in_step = False  # whether the step being planned shares blocks it computes
+        # The requests whose blocks computed by the step being planned others of it share.
+        self._shared_sources: list[str] = []
         self._admissions_left: int | None = None  # of the step being planned; None: no cap
         prefix_length = kv_manager.peek_prefix_tokens if kv_manager.radix is not None else None
         self.tiers = TierTable(config)
@@ -288,16 +292,17 @@ class Scheduler:
             and not self._last_step_interrupted
             and bool(plan)
             and not self._plans_first_token(plan)
-            and not self._shares_in_step
+            and not self._shared_sources
         )
         self._last_step_interrupted = False
-        self._shares_in_step = False
+        shared_sources, self._shared_sources = self._shared_sources, []
         return SchedulerOutput(
             scheduled=plan,
             finished_request_ids=finished,
             num_preempted=num_preempted + num_made_room,
             first_token_exclusive=exclusive,
             interruptible=interruptible,
+            shared_sources=shared_sources,
         )
 
     def step_interrupted(self, plan: SchedulerOutput) -> None:
@@ -435,11 +440,12 @@ class Scheduler:
                 num_made_room += 1
             if leader is not None:
                 computed = self.kv.share_prefix(leader.request_id, request, request.num_prompt_tokens - 1)
-                self._shares_in_step |= leader.num_computed_tokens < computed
+                if leader.num_computed_tokens < computed:
+                    self._shared_sources.append(leader.request_id)
             elif source_tokens:
                 # The blocks are computed by this very step, ahead of this request's attention.
                 computed = self.kv.share_prefix(source_id, request, source_tokens, count_as_hit=True)
-                self._shares_in_step = True
+                self._shared_sources.append(source_id)
             else:
                 computed = self.kv.match_prefix(request)
             request.num_computed_tokens = computed

@@ -10,7 +10,10 @@ MODEL = "smollm2-135m"
 
 def test_chat_answer_makes_sense_and_streams_identically(smollm_server: ServerProcess) -> None:
     client = smollm_server.client()
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # Not "What is the capital of France?": there the float32 model's first token is a near tie
+    # ("The" -1.88 against "L" -1.97), which bfloat16 rounding decides either way. Here every one of
+    # the answer's tokens leads the next candidate by more than 1.0 in float32 and bfloat16.
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     text = whole.choices[0].message.content
     assert text is not None and "Paris" in text

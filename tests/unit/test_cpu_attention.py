@@ -334,10 +334,11 @@ def test_tile_path_agrees_with_the_vector_path_and_the_reference(
 def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_reference(
     num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 chunks that continue their sequence (start > 0) attend through the AMX prefill kernel
-    where the CPU allows it: 66 tokens over 1,024 positions, chunks ending inside and on block
-    boundaries, beside decodes; outputs equal the reference's to bfloat16 precision, and the new K/V
-    are stored exactly. A step with a chunk that starts its sequence keeps the reference path."""
+    """bfloat16 prompt chunks attend through the AMX prefill kernel where the CPU allows it: 66 tokens
+    over 1,024 positions, chunks ending inside and on block boundaries, beside decodes; chunks that
+    start their sequence, and chunks longer than the reference's per-sequence threshold. Outputs
+    equal the reference's to bfloat16 precision, and the new K/V are stored exactly. Under a
+    sliding window the reference serves the chunks."""
     calls: list[tuple[int, int]] = []
     real = cpu_paged.paged_prefill_attention
 
@@ -354,8 +355,15 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_refere
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
     assert calls == (list(chunks) if cpu_kernels.attention_tiles_available() else [])
     calls.clear()
+    chunks = ((0, 40), (0, 300), (16, 280))
     expected, actual, _, _ = run_both(
-        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=((0, 40), (16, 40))
+        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=chunks
+    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    assert calls == (list(chunks) if cpu_kernels.attention_tiles_available() else [])
+    calls.clear()
+    expected, actual, _, _ = run_both(
+        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=((0, 40), (16, 40)), window=24
     )
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
     assert calls == []
@@ -392,6 +400,59 @@ def test_prefill_kernel_checks_its_inputs() -> None:
         cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(1), 15, 0.1)
     with pytest.raises(RuntimeError, match="block id 9 outside the cache"):
         cpu_kernels.paged_prefill_attention(query, cache, cache, torch.tensor([9]), 3, 0.1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_kernel_rescales_as_later_positions_score_higher(head_dim: int) -> None:
+    """Keys grow along the sequence, so every row's maximum rises at almost every step of 64
+    positions (the kernel rescales its sums and outputs each time); a padded last row tile and a
+    chunk ending inside a block. Within bfloat16 rounding of a float32 reference, and no less
+    accurate than the bfloat16 SDPA the reference path runs."""
+    generator = torch.Generator().manual_seed(3)
+    start, num_new, heads, kv_heads = 300, 37, 6, 2
+    total = start + num_new
+    num_blocks = (total + 15) // 16
+    ramp = torch.linspace(0.0, 6.0, num_blocks * 16).view(num_blocks, 16, 1, 1)
+    direction = torch.randn(1, 1, kv_heads, head_dim, generator=generator)
+    noise = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=generator)
+    key_cache = (ramp * direction + 0.3 * noise).to(torch.bfloat16)
+    value_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+    group = heads // kv_heads
+    query = (
+        direction.view(1, kv_heads, 1, head_dim)
+        .expand(num_new, kv_heads, group, head_dim)
+        .reshape(num_new, heads, head_dim)
+        + 0.3 * torch.randn(num_new, heads, head_dim, generator=generator)
+    ).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=generator)
+    cache_order = torch.argsort(table)  # the block holding positions 16 b .. 16 b + 15 is table[b]
+    keys = key_cache[cache_order].reshape(-1, kv_heads, head_dim)[:total]  # [total, kv_heads, head_dim]
+    values = value_cache[cache_order].reshape(-1, kv_heads, head_dim)[:total]
+    scale = head_dim**-0.5
+    allowed = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]  # [num_new, total]
+    mask = torch.zeros(num_new, total).masked_fill(~allowed, float("-inf"))
+
+    def attend(dtype: torch.dtype) -> torch.Tensor:  # [num_new, heads, head_dim] float32
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.to(dtype).transpose(0, 1)[None],
+            keys.to(dtype).transpose(0, 1)[None],
+            values.to(dtype).transpose(0, 1)[None],
+            attn_mask=mask.to(dtype),
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).float()
+
+    reference = attend(torch.float32)
+    if not cpu_kernels.attention_tiles_available():
+        with pytest.raises(RuntimeError, match="needs AMX"):
+            cpu_kernels.paged_prefill_attention(query, key_cache, value_cache, table, start, scale)
+        return
+    actual = cpu_kernels.paged_prefill_attention(query, key_cache, value_cache, table, start, scale).float()
+    torch.testing.assert_close(actual, reference, atol=ATOL[torch.bfloat16], rtol=0)
+    kernel_error = (actual - reference).abs().mean()
+    sdpa_error = (attend(torch.bfloat16) - reference).abs().mean()
+    assert kernel_error <= 1.25 * sdpa_error, (kernel_error, sdpa_error)
 
 
 def shared_prefix_step(

@@ -23,9 +23,10 @@
 // those of O = P V (per 32 positions and 16 dimensions, pairs of value rows interleaved). A task is a
 // KV head and 16 query rows (the chunk's rows for that head's query heads, token-major), whose queries
 // are the "A" operand. Per 64 positions: four score tiles, an online softmax per row (float32; the
-// probabilities rounded to bfloat16 as the "A" operand of P V, as flash attention kernels do), and
-// the P V tiles added into the row's float32 output after its rescale. Positions past a tile's last
-// row's limit are never computed; the causal limits inside are masked per row.
+// probabilities rounded to bfloat16 as the "A" operand of P V, as flash attention kernels do; see
+// attend_rows for its lazy rescaling), and the P V tiles accumulated onto the rows' float32 outputs.
+// Positions past a tile's last row's limit are never computed; the causal limits inside are masked
+// per row, in the steps that reach them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -116,16 +117,26 @@ void lay_out_values(const Problem& p, int64_t kv, int64_t step) {
 
 // The 16 query rows [row0, row0 + 16) of KV head `kv`: row r is token r / group, query head
 // kv * group + r % group.
+//
+// The softmax keeps, per row, its running maximum `ref` (in raw score units) and weighs position j
+// by 2^((s_j - ref) * scale * log2 e) in float32 (one multiply-subtract and exp2), rounded to
+// bfloat16 for P V. Whether a step raises a row's maximum is one comparison per vector; only then
+// are the maximum found, and the row's sums and outputs rescaled (after the first steps, rarely).
+// The maximum weight is exactly 1: letting the reference lag (rescaling only on large jumps) made
+// the dominant weight a rounded bfloat16 and doubled the largest errors. The running sums stay
+// vectors (one horizontal add per row at the end), and the outputs accumulate in the P V tiles
+// themselves, loaded from and stored to the rows' float32 outputs.
+constexpr float kLog2E = 1.44269504088896341f;
+
 void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
   const int64_t rows_total = p.num_tokens * p.group;
   const int valid = static_cast<int>(std::min<int64_t>(kTileRows, rows_total - row0));
   alignas(64) c10::BFloat16 q[kTileRows][128];           // "A" operands of Q K^T, per 32 dimensions
   alignas(64) float scores[4][kTileRows][kTileRows];     // S per 16 positions: [row][position]
   alignas(64) c10::BFloat16 probs[2][kTileRows][32];     // "A" operands of P V, per 32 positions
-  alignas(64) float partial[4][kTileRows][kTileRows];    // P V per 16 dimensions: [row][dimension]
   alignas(64) float acc[kTileRows][128];                 // unnormalised outputs
-  float row_max[kTileRows], row_sum[kTileRows];
-  alignas(64) float alpha[kTileRows];
+  alignas(64) float sums[kTileRows][kTileRows];          // per row: the weights summed, lane-wise
+  float ref[kTileRows];
   int64_t limit[kTileRows];  // last position each row attends to
   for (int i = 0; i < kTileRows; ++i) {
     if (i < valid) {
@@ -136,13 +147,17 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     } else {
       std::memset(q[i], 0, p.head_dim * sizeof(c10::BFloat16));
       limit[i] = -1;
+      // Padding rows weigh nothing, ever.
+      for (int j = 0; j < 2; ++j) _mm512_store_si512(probs[j][i], _mm512_setzero_si512());
     }
     std::fill(acc[i], acc[i] + p.head_dim, 0.0f);
-    row_max[i] = kNegInf;
-    row_sum[i] = 0.0f;
+    _mm512_store_ps(sums[i], _mm512_setzero_ps());
+    ref[i] = kNegInf;
   }
-  const int64_t end = limit[valid - 1] + 1;  // rows are token-major: the last valid row sees furthest
+  const float log2_scale = p.scale * kLog2E;
+  const int64_t end = limit[valid - 1] + 1;   // rows are token-major: the last valid row sees furthest
   const int64_t q_stride = 128 * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const int64_t acc_stride = 128 * static_cast<int64_t>(sizeof(float));
   const int64_t chunks = p.head_dim / 16;
   if (p.halves == 2) {
     _tile_loadd(6, &q[0][0], q_stride);
@@ -175,62 +190,55 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     if (tiles > 2) TOKENMILL_SCORE_TILE(2)
     if (tiles > 3) TOKENMILL_SCORE_TILE(3)
 #undef TOKENMILL_SCORE_TILE
-    // Scaled, masked scores in place, and each row's new running maximum.
-    alignas(64) float old_max[kTileRows], new_max[kTileRows];
-    for (int i = 0; i < kTileRows; ++i) {
-      Vec best = splat(kNegInf);
+    // Only steps reaching past the first row's limit (the smallest) need a causal mask.
+    const bool masked = pos0 + tiles * kTileRows > limit[0] + 1;
+    uint32_t rescaled = 0;  // rows whose reference moved this step
+    alignas(64) float alpha[kTileRows];
+    for (int i = 0; i < valid; ++i) {
+      __m512 s[4];
+      __mmask16 allowed[4];
       for (int j = 0; j < 4; ++j) {
         // Lanes past the row's limit (or past this step's tiles) are -inf: no weight.
-        const int64_t allowed = j < tiles ? std::clamp<int64_t>(limit[i] - pos0 - j * kTileRows + 1, 0, kLanes) : 0;
-        const __mmask16 lanes = lane_mask(static_cast<int>(allowed));
-        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), lanes, _mm512_maskz_loadu_ps(lanes, scores[j][i]),
-                                            _mm512_set1_ps(p.scale));
-        _mm512_store_ps(scores[j][i], x);
-        best = max(best, Vec{x});
+        const int64_t n = j < tiles ? std::clamp<int64_t>(limit[i] - pos0 - j * kTileRows + 1, 0, kLanes) : 0;
+        allowed[j] = masked ? lane_mask(static_cast<int>(n)) : (j < tiles ? __mmask16(0xFFFF) : __mmask16(0));
+        s[j] = _mm512_mask_load_ps(_mm512_set1_ps(kNegInf), allowed[j], scores[j][i]);
       }
-      old_max[i] = row_max[i];
-      new_max[i] = std::max(row_max[i], reduce_max(best));
-      row_max[i] = new_max[i];
-    }
-    // The rescale of what each row summed so far, one vector exp for the 16 rows: exp(old - new),
-    // 0 for a row with nothing yet (old = -inf), 1 for a row with nothing at all (padding).
-    {
-      const __m512 olds = _mm512_load_ps(old_max), news = _mm512_load_ps(new_max);
-      const __mmask16 nothing = _mm512_cmp_ps_mask(news, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
-      const __m512 diff = _mm512_mask_mov_ps(_mm512_sub_ps(olds, news), nothing, _mm512_setzero_ps());
-      _mm512_storeu_ps(alpha, exp(Vec{diff}).v);  // exp(-inf) = 0 where only old is -inf
-    }
-    for (int i = 0; i < kTileRows; ++i) {
-      if (new_max[i] == kNegInf) {  // a padding row: no weight anywhere
-        for (int j = 0; j < 2; ++j) _mm512_store_si512(probs[j][i], _mm512_setzero_si512());
-        continue;
+      const __m512 above = _mm512_set1_ps(ref[i]);
+      const __mmask16 over = _mm512_cmp_ps_mask(s[0], above, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s[1], above, _CMP_GT_OQ) |
+                             _mm512_cmp_ps_mask(s[2], above, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s[3], above, _CMP_GT_OQ);
+      if (over != 0) {
+        const float best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3])));
+        alpha[i] = ref[i] == kNegInf ? 0.0f : std::exp2((ref[i] - best) * log2_scale);
+        ref[i] = best;
+        rescaled |= 1u << i;
+        _mm512_store_ps(sums[i], _mm512_mul_ps(_mm512_load_ps(sums[i]), _mm512_set1_ps(alpha[i])));
       }
-      Vec sum = zero();
-      Vec prob[4];
-      for (int j = 0; j < 4; ++j) {
-        prob[j] = exp(sub(Vec{_mm512_load_ps(scores[j][i])}, splat(new_max[i])));  // masked lanes: 0
-        sum = add(sum, prob[j]);
-      }
-      row_sum[i] = row_sum[i] * alpha[i] + reduce_add(sum);
+      // Every valid row allows position 0, so ref is finite from the first step on.
+      const __m512 shift = _mm512_set1_ps(ref[i] * log2_scale), factor = _mm512_set1_ps(log2_scale);
+      __m512 w[4];
+      for (int j = 0; j < 4; ++j)
+        w[j] = _mm512_maskz_mov_ps(allowed[j], exp2(Vec{_mm512_fmsub_ps(s[j], factor, shift)}).v);
+      _mm512_store_ps(sums[i], _mm512_add_ps(_mm512_load_ps(sums[i]),
+                                             _mm512_add_ps(_mm512_add_ps(w[0], w[1]), _mm512_add_ps(w[2], w[3]))));
       for (int j = 0; j < 2; ++j)
-        _mm512_store_si512(probs[j][i], (__m512i)_mm512_cvtne2ps_pbh(prob[2 * j + 1].v, prob[2 * j].v));
+        _mm512_store_si512(probs[j][i], (__m512i)_mm512_cvtne2ps_pbh(w[2 * j + 1], w[2 * j]));
+    }
+    for (uint32_t left = rescaled; left != 0; left &= left - 1) {
+      const int i = __builtin_ctz(left);
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      for (int64_t d = 0; d < p.head_dim; d += kLanes) _mm512_store_ps(acc[i] + d, _mm512_mul_ps(_mm512_load_ps(acc[i] + d), a));
     }
     const int steps = (tiles + 1) / 2;  // of 32 positions
     const int64_t value_step0 = pos0 / 32;
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-      amx::multiply_values(reinterpret_cast<const char*>(probs),
-                           reinterpret_cast<const char*>(value_tile(p, kv, value_step0, c0)),
-                           (p.head_dim / 16) * amx::kTileBytes, steps, partial);
-      for (int i = 0; i < valid; ++i)
-        for (int j = 0; j < 4; ++j) {
-          float* out = acc[i] + (c0 + j) * kLanes;
-          store(out, fmadd(load(out, kLanes), splat(alpha[i]), load(partial[j][i], kLanes)), kLanes);
-        }
-    }
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4)
+      amx::accumulate_values(reinterpret_cast<const char*>(probs),
+                             reinterpret_cast<const char*>(value_tile(p, kv, value_step0, c0)),
+                             (p.head_dim / 16) * amx::kTileBytes, steps, &acc[0][c0 * kLanes], acc_stride);
   }
   for (int i = 0; i < valid; ++i) {
     const int64_t row = row0 + i, token = row / p.group, head = kv * p.group + row % p.group;
-    const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
+    const float total = _mm512_reduce_add_ps(_mm512_load_ps(sums[i]));
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     c10::BFloat16* o = p.out + (token * p.num_heads + head) * p.head_dim;
     for (int64_t d = 0; d < p.head_dim; ++d) o[d] = static_cast<c10::BFloat16>(acc[i][d] * inv);
   }

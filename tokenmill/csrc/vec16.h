@@ -123,6 +123,24 @@ inline Vec exp(Vec x) {
   return {_mm512_scalef_ps(p, k)};
 }
 
+// 2^x = 2^k * 2^f with k = round(x) and |f| <= 1/2; a degree-6 Taylor polynomial of exp(f ln 2) is
+// accurate to about 1e-7 relative there. Inputs below -127 (and -inf) give at most 2^-127, a
+// denormal that bfloat16 conversion flushes to zero. For callers that fold a scale and log2(e) into
+// one multiply-subtract ahead of it (softmax).
+inline Vec exp2(Vec x) {
+  const __m512 xv = _mm512_max_ps(x.v, _mm512_set1_ps(-127.0f));
+  const __m512 k = _mm512_roundscale_ps(xv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xv, k);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return {_mm512_scalef_ps(p, k)};
+}
+
 #else  // portable fallback: plain loops over 16 lanes
 
 struct Vec {
@@ -201,6 +219,10 @@ inline float reduce_max(Vec a) {
 }
 inline Vec exp(Vec x) {
   for (float& lane : x.v) lane = std::exp(lane);
+  return x;
+}
+inline Vec exp2(Vec x) {
+  for (float& lane : x.v) lane = std::exp2(lane);
   return x;
 }
 inline Vec reduce_rows(const float* rows) {

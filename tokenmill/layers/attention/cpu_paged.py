@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.attention.torch_ref import PER_SEQUENCE_MIN_QUERIES, TorchPagedAttention
+from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.layers.cpu_kernels import (
     MAX_HEAD_DIM,
     attention_tiles_available,
@@ -123,13 +123,12 @@ class CpuPagedAttention(TorchPagedAttention):
             super()._store_kv(key, value, kv_cache, slot_mapping)
 
     def _prefill_tiles_take(self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup) -> bool:
-        """Whether ``group``'s prompt chunks attend through the AMX prefill kernel: bfloat16, 16-slot
-        blocks, head_dim 64 or 128, no window, and every chunk continues a sequence (``start > 0``:
-        over a cached prefix or an earlier chunk) with fewer than ``PER_SEQUENCE_MIN_QUERIES`` tokens.
-        There the kernel reads the blocks in place where the reference gathers them and runs SDPA
-        under a mask (66 tokens over 1,024 cached positions, SmolLM2's heads: 0.41 vs 0.61 ms a layer);
-        a chunk that starts its sequence keeps causal SDPA, which is as fast (128 tokens: 0.16 vs 0.19
-        ms), and so do long chunks (256 over 256: 0.62 vs 0.64 ms)."""
+        """Whether ``group``'s prompt chunks attend through the AMX prefill kernel, one call a chunk:
+        bfloat16, 16-slot blocks, head_dim 64 or 128, no window. The kernel reads the blocks in place
+        where the reference gathers them and runs SDPA (causal, or under a mask over a cached prefix);
+        with SmolLM2's heads it takes about half the time at every length measured (per layer: 66
+        tokens over 1,024 cached positions 0.26 vs 0.54 ms, 128 tokens from position 0 0.06 vs 0.14
+        ms, 1,090 tokens 1.5 vs 3.2 ms, 2,048 tokens 4.7 vs 9.1 ms)."""
         return (
             dtype == torch.bfloat16
             and kv_cache.dtype == torch.bfloat16
@@ -139,7 +138,6 @@ class CpuPagedAttention(TorchPagedAttention):
             and group.sliding_window is None
             and group.spans is not None
             and group.block_tables is not None
-            and all(start > 0 and num_new < PER_SEQUENCE_MIN_QUERIES for _, start, num_new in group.spans)
             and attention_tiles_available()
         )
 

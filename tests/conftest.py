@@ -60,6 +60,11 @@ TINY_SPECS: dict[str, TinySpec] = {
     "qwen3": TinySpec(
         "qwen3", "Qwen3Config", {"num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": False}
     ),
+    # Llama with heads of 64 dimensions, the AMX prefill kernel's shape (named to sort last: the
+    # weight seeds of the others follow the sorted names).
+    "wide-heads": TinySpec(
+        "llama", "LlamaConfig", {"num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": False}
+    ),
 }
 
 

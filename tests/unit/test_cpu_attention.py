@@ -178,7 +178,8 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_decodes(
 ) -> None:
     """Chunks of up to SHORT_CHUNK_MAX_QUERIES tokens (one starting its sequence, one over a long
     cached prefix, one at the limit) run with the decodes as one kernel call, each row causal over
-    its own prefix: the same as the reference's gather + SDPA."""
+    its own prefix: the same as the reference's gather + SDPA. Where the AMX prefill kernel takes
+    the chunks (bfloat16, no window) they go through it instead, group by group."""
     chunks = ((0, 5), (300, 17), (40, cpu_paged.SHORT_CHUNK_MAX_QUERIES))
     query, key, value, kv_cache, metadata = build_step(
         [3, 70, 129],
@@ -193,7 +194,8 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_decodes(
     ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
     expected = TorchPagedAttention(6, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
     actual = CpuPagedAttention(6, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
-    assert metadata._rows_as_decodes is not None  # the one-call path ran
+    prefill_tiles = dtype == torch.bfloat16 and window is None and cpu_kernels.attention_tiles_available()
+    assert (metadata._rows_as_decodes is None) == prefill_tiles  # else the one-call path ran
     assert torch.equal(ref_cache, cpu_cache)
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 

@@ -3,11 +3,15 @@ runs every Llama layer and the final norm in one C++ call, with the same bits as
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import fused_cpu
+from tokenmill.layers import cpu_kernels, fused_cpu
+
+STACK_SIGNATURE = inspect.signature(fused_cpu.llama_decode_stack)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
@@ -96,6 +100,48 @@ def test_steps_with_short_prompt_chunks_run_fused_with_the_same_results(
     assert max(calls) > len(prompts)
 
     calls.clear()
+    model.decode_stack = None  # the layer modules only
+    assert _generate(llm, prompts) == fused
+    assert not calls
+
+
+def test_steps_with_prompt_chunks_over_the_prefill_kernel_run_fused_with_the_same_results(
+    tiny_model,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Heads of 64 dimensions in bfloat16: where AMX is granted every prompt chunk attends through the
+    # prefill kernel, in the fused stack as in the modules; a 40-token budget puts chunks of up to 40
+    # tokens (some over earlier chunks) beside decodes, and the prefix cache adds chunks over cached
+    # blocks. The same tokens and logprobs as the modules, bitwise.
+    llm = LLM(
+        tiny_model("wide-heads").path,
+        dtype="bfloat16",
+        quantization="int4",
+        num_blocks=64,
+        max_num_batched_tokens=40,
+    )
+    model = llm.engine.executor.runner.model
+    assert model.decode_stack is not None
+    calls = _count_stack_rows(monkeypatch)
+    chunked: list[int] = []
+    original = fused_cpu.llama_decode_stack
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        chunks = STACK_SIGNATURE.bind(*args, **kwargs).arguments.get("chunks")
+        if chunks is not None:
+            chunked.append(int(chunks.chunk_spans.shape[0]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "llama_decode_stack", recording)
+    shared = [30 + (5 * i) % 60 for i in range(36)]
+    prompts = [[7 + i for i in range(length)] for length in (30, 5, 47, 12)]
+    prompts += [shared + [90, 91, 92], shared + [93, 94]]
+    fused = _generate(llm, prompts)
+    assert calls and max(calls) > len(prompts)
+    assert bool(chunked) == cpu_kernels.attention_tiles_available()
+
+    calls.clear()
+    llm.engine.kv_manager.reset_prefix_cache()
     model.decode_stack = None  # the layer modules only
     assert _generate(llm, prompts) == fused
     assert not calls

@@ -1,7 +1,7 @@
 // The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
 // them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
-// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear) and
-// paged_attention_cpu.cpp (KV write, decode attention).
+// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear),
+// paged_attention_cpu.cpp (KV write, decode attention) and prefill_attention_cpu.cpp (prompt chunks).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,5 +27,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window);
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_table, int64_t start, double scale);
 
 }  // namespace tokenmill::ops

@@ -1,11 +1,13 @@
-// The Llama-family decoder stack for a step of decodes on CPU, in one call. Each layer:
+// The Llama-family decoder stack for a step of decodes (and short prompt chunks) on CPU, in one call.
+// Each layer:
 //
 //   residual, x = x, rms_norm(x)              (first layer: no residual yet)
 //   or x, residual = add_rms_norm(x, residual)
 //   q, k, v = int4_linear(x, qkv)             (views of one [S, (H + 2 KVH) * D] output)
 //   q, k = q_norm(q), k_norm(k)               (per head, when the layer has them: Qwen3)
 //   rotary(q, k) in place; write_kv(k, v)
-//   x = int4_linear(paged_attention_decode(q), o)
+//   x = int4_linear(attention(q), o)          (decode rows: paged_attention_decode; chunks:
+//                                              paged_prefill_attention)
 //   x, residual = add_rms_norm(x, residual)
 //   return int4_linear(silu_and_mul(int4_linear(x, gate_up)), down)
 // and after the last layer: x, residual = add_rms_norm(x, residual) with the final norm's weight.
@@ -27,7 +29,13 @@
 //   kv_caches    per layer [2, num_blocks, block_size, kv_heads, head_dim]: row s's key and value are
 //                stored at slot_mapping[s] before attention
 //   positions    [S] int64; cos_cache / sin_cache [max_position, rotary_dim / 2] float32
-//   block_tables [S, max_blocks] and seq_lens [S] int64: each row is one sequence's decode
+//   block_tables [S, max_blocks] and seq_lens [S] int64: each row is one sequence's decode; or, with
+//                chunks, [D, max_blocks] and [D] for the rows listed in decode_rows
+//   chunk_spans  None, or [C, 3] int64: prompt chunks (first row, start position, tokens) whose rows
+//                attend through paged_prefill_attention with block table chunk_tables[c] ([C,
+//                max_blocks] int64), as the layer modules' CpuPagedAttention attends them
+//   decode_rows  with chunk_spans: [D] int64, the step's other rows, each a decode attending through
+//                paged_attention_decode with block_tables[d] and seq_lens[d]
 //   final_norm   [hidden] bfloat16
 //   interrupt    None or [1] uint8 in memory another process may write (core/interrupt.py): read
 //                before each layer; once nonzero the step is abandoned there
@@ -36,11 +44,14 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/rsqrt.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -75,7 +86,39 @@ struct StepInputs {
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
   int64_t window;
+  // Prompt chunks attending through the prefill kernel (none: every row is a decode).
+  std::vector<std::array<int64_t, 3>> chunks;  // first row, start position, tokens
+  at::Tensor chunk_tables;                     // [C, max_blocks]
+  at::Tensor decode_rows;                      // [D]: the rows block_tables and seq_lens describe
+  bool decodes_lead = false;                   // decode_rows is 0 .. D - 1
 };
+
+// The step's attention for q [S, H, D] (this layer's keys and values already stored).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const StepInputs& step) {
+  if (step.chunks.empty())
+    return ops::paged_attention_decode(q, key_cache, value_cache, step.block_tables, step.seq_lens, step.scale,
+                                       step.window);  // [S, H, D]
+  at::Tensor out = at::empty(q.sizes(), q.options());  // [S, H, D]
+  const int64_t decodes = step.decode_rows.size(0);
+  if (decodes > 0) {
+    const at::Tensor rows = step.decodes_lead ? q.narrow(0, 0, decodes) : q.index_select(0, step.decode_rows);
+    const at::Tensor attended = ops::paged_attention_decode(rows, key_cache, value_cache, step.block_tables,
+                                                            step.seq_lens, step.scale, step.window);  // [D, H, D]
+    if (step.decodes_lead)
+      out.narrow(0, 0, decodes).copy_(attended);
+    else
+      out.index_copy_(0, step.decode_rows, attended);
+  }
+  for (size_t c = 0; c < step.chunks.size(); ++c) {
+    const auto& [first, start, tokens] = step.chunks[c];
+    out.narrow(0, first, tokens)
+        .copy_(ops::paged_prefill_attention(q.narrow(0, first, tokens), key_cache, value_cache,
+                                            step.chunk_tables.select(0, static_cast<int64_t>(c)), start,
+                                            step.scale));  // [tokens, H, D]
+  }
+  return out;
+}
 
 // One layer: `weights` are this layer's (kNumWeights or kNumWeightsWithHeadNorms), its biases
 // biases[first_bias + p] for projection p. `hidden` is overwritten; `skip` is the residual stream, undefined before the
@@ -120,9 +163,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
   const at::Tensor key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
   ops::write_kv(k.view({rows, num_kv_heads, head_dim}), v.view({rows, num_kv_heads, head_dim}), key_cache,
                 value_cache, step.slot_mapping);
-  const at::Tensor attended =
-      ops::paged_attention_decode(q.view({rows, num_heads, head_dim}), key_cache, value_cache, step.block_tables,
-                                  step.seq_lens, step.scale, step.window);  // [S, H, D]
+  const at::Tensor attended = attend(q.view({rows, num_heads, head_dim}), key_cache, value_cache, step);  // [S, H, D]
 
   at::Tensor x = linear(attended.view({rows, q_size}), 1);  // [S, hidden]
   ops::add_rms_norm(x, skip, post_norm, eps);
@@ -136,7 +177,9 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
                               const at::Tensor& cos_cache, const at::Tensor& sin_cache, const at::Tensor& slot_mapping,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& final_norm,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                              int64_t window, const std::optional<at::Tensor>& interrupt) {
+                              int64_t window, const std::optional<at::Tensor>& interrupt,
+                              const std::optional<at::Tensor>& chunk_spans, const std::optional<at::Tensor>& chunk_tables,
+                              const std::optional<at::Tensor>& decode_rows) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0, "kv_caches must hold one cache per layer, got none");
   const size_t per_layer = weights.size() / layers;
@@ -149,8 +192,33 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
   for (const at::Tensor& cache : kv_caches) {
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "each kv cache must be [2, blocks, block_size, heads, D]");
   }
-  const StepInputs step{positions, cos_cache,    sin_cache, slot_mapping, block_tables, seq_lens, num_heads,
-                        num_kv_heads, head_dim, eps,       scale,        window};
+  StepInputs step{positions, cos_cache,    sin_cache, slot_mapping, block_tables, seq_lens, num_heads,
+                  num_kv_heads, head_dim, eps,       scale,        window};
+  if (chunk_spans.has_value()) {
+    TORCH_CHECK(chunk_tables.has_value() && decode_rows.has_value(), "chunk_spans needs chunk_tables and decode_rows");
+    const at::Tensor spans = chunk_spans->to(at::kLong).contiguous();
+    TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3, "chunk_spans must be [C, 3] (first row, start, tokens)");
+    TORCH_CHECK(chunk_tables->dim() == 2 && chunk_tables->size(0) == spans.size(0),
+                "chunk_tables must be [C, max_blocks], one row per chunk");
+    TORCH_CHECK(decode_rows->dim() == 1 && decode_rows->size(0) == block_tables.size(0) &&
+                    decode_rows->size(0) == seq_lens.size(0),
+                "decode_rows, block_tables and seq_lens must describe the same decode rows");
+    const int64_t* values = spans.data_ptr<int64_t>();
+    int64_t covered = decode_rows->size(0);
+    for (int64_t c = 0; c < spans.size(0); ++c) {
+      const int64_t first = values[3 * c], start = values[3 * c + 1], tokens = values[3 * c + 2];
+      TORCH_CHECK(first >= 0 && tokens > 0 && first + tokens <= hidden.size(0) && start >= 0,
+                  "chunk ", c, " (rows ", first, " + ", tokens, ") is outside the step's ", hidden.size(0), " rows");
+      step.chunks.push_back({first, start, tokens});
+      covered += tokens;
+    }
+    TORCH_CHECK(covered == hidden.size(0), "decode rows and chunks cover ", covered, " rows, the step has ",
+                hidden.size(0));
+    step.chunk_tables = *chunk_tables;
+    step.decode_rows = *decode_rows;
+    const at::Tensor lead = at::arange(decode_rows->size(0), decode_rows->options());
+    step.decodes_lead = decode_rows->size(0) == 0 || at::equal(*decode_rows, lead);
+  }
   const c10::ArrayRef<at::Tensor> all_weights(weights);
   const volatile uint8_t* flag = nullptr;
   if (interrupt.has_value()) {
@@ -176,7 +244,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "llama_decode_stack(Tensor(a!) hidden, Tensor[] weights, Tensor?[] biases, Tensor(b!)[] kv_caches, "
       "Tensor positions, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
-      "float scale, int window, Tensor? interrupt=None) -> Tensor");
+      "float scale, int window, Tensor? interrupt=None, Tensor? chunk_spans=None, Tensor? chunk_tables=None, "
+      "Tensor? decode_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }

@@ -330,6 +330,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
 }  // namespace
 }  // namespace tokenmill
 
+namespace tokenmill::ops {
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_table, int64_t start, double scale) {
+  return ::tokenmill::paged_prefill_attention(query, key_cache, value_cache, block_table, start, scale);
+}
+}  // namespace tokenmill::ops
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, int start, "

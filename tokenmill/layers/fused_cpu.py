@@ -19,6 +19,7 @@ import torch
 from tokenmill.config import fused_cpu_ops_enabled
 from tokenmill.core.interrupt import StepInterrupted
 from tokenmill.layers.cpu_kernels import load_error
+from tokenmill.worker.forward_batch import DecodesAndChunks
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,14 @@ def llama_decode_stack(
     scale: float,
     window: int | None,
     interrupt: torch.Tensor | None = None,  # [1] uint8 (core/interrupt.py), polled between layers
+    chunks: DecodesAndChunks | None = None,
 ) -> torch.Tensor:
     """Every Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
     any), then the final norm, in one C++ call (``csrc/decoder_layer_cpu.cpp``): the same kernels in
     the same order as the layer modules and the model's norm, so the same bits. Returns the final
     norm's output ``[S, hidden]``; raises ``StepInterrupted`` if ``interrupt`` was raised before a
-    layer (the step is abandoned there)."""
+    layer (the step is abandoned there). With ``chunks``, ``block_tables`` and ``seq_lens`` are those of
+    ``chunks.decode_rows`` and each of ``chunks.chunk_spans`` attends through the prefill kernel."""
     num_heads, num_kv_heads, head_dim = shape
     out = torch.ops.tokenmill.llama_decode_stack(
         hidden,
@@ -120,6 +123,9 @@ def llama_decode_stack(
         scale,
         window or 0,
         interrupt,
+        None if chunks is None else chunks.chunk_spans,
+        None if chunks is None else chunks.chunk_tables,
+        None if chunks is None else chunks.decode_rows,
     )  # [S, hidden], or [0, hidden] when interrupted
     if out.shape[0] != hidden.shape[0]:
         raise StepInterrupted("a latency-critical request arrived")

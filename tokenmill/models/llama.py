@@ -286,10 +286,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """The decoder stack and the final norm through ``fused_cpu.llama_decode_stack`` when the
-        attention backend attends every row of this step as a decode (a step of decodes, or one whose
-        prompt chunks are all short: ``CpuPagedAttention.kernel_rows``), the rows fit the int4 kernels
-        and every layer fits the op (``prepare_for_inference``); None otherwise, for the layer
-        modules."""
+        attention backend attends this step's rows with its kernels (decodes, and prompt chunks
+        through the prefill kernel or as decodes: ``CpuPagedAttention.stack_attention``), the rows fit
+        the int4 kernels and every layer fits the op (``prepare_for_inference``); None otherwise, for
+        the layer modules."""
         stack = self.decode_stack
         num_tokens = hidden.shape[0]
         if stack is None or num_tokens > stack.max_rows or not fused_cpu.applies_to(hidden):
@@ -297,10 +297,9 @@ class LlamaForCausalLM(nn.Module):
         backend = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn
         rotary = self.rotary
         assert isinstance(backend, CpuPagedAttention) and isinstance(rotary, RotaryEmbedding)
-        rows = backend.kernel_rows(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
+        rows = backend.stack_attention(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
         if rows is None:
             return None
-        block_tables, seq_lens, window = rows
         args = self.args
         return fused_cpu.llama_decode_stack(
             hidden,
@@ -311,14 +310,15 @@ class LlamaForCausalLM(nn.Module):
             rotary.cos_cache,
             rotary.sin_cache,
             batch.attn.slot_mapping,
-            block_tables,
-            seq_lens,
+            rows.block_tables,
+            rows.seq_lens,
             self.norm.weight,
             (args.num_heads, args.num_kv_heads, args.head_dim),
             args.rms_norm_eps,
             backend.scale,
-            window,
+            rows.sliding_window,
             batch.interrupt_tensor,
+            chunks=rows.chunks,
         )  # [num_tokens, hidden_size]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -70,12 +70,61 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodesAndChunks:
+    """A step's rows for kernels that attend decodes and prompt chunks apart: the rows of the groups
+    with one query per sequence (``decode_rows``, each with its sequence's block table and length
+    after the step), and every sequence of the other groups as a chunk (``chunk_spans[c]`` = first
+    row, start position, new tokens; ``chunk_tables[c]`` its block table)."""
+
+    decode_rows: torch.Tensor  # [D] int64
+    decode_tables: torch.Tensor  # [D, max_blocks] int64
+    decode_lens: torch.Tensor  # [D] int64
+    chunk_spans: torch.Tensor  # [C, 3] int64
+    chunk_tables: torch.Tensor  # [C, max_blocks] int64
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's new keys/values go (``slot_mapping``) and which groups attend together."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     groups: list[AttentionGroup]
     _rows_as_decodes: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _decodes_and_chunks: DecodesAndChunks | None = field(default=None, repr=False)
+
+    def decodes_and_chunks(self) -> DecodesAndChunks:
+        """The step's decode rows and prompt chunks (``DecodesAndChunks``), built once per step; needs
+        every group's ``spans`` and ``block_tables`` (ValueError otherwise)."""
+        if self._decodes_and_chunks is not None:
+            return self._decodes_and_chunks
+        if any(g.spans is None or g.block_tables is None for g in self.groups):
+            raise ValueError("decodes_and_chunks needs every group's spans and block tables")
+        width = max(int(g.block_tables.shape[1]) for g in self.groups if g.block_tables is not None)
+        device = self.slot_mapping.device
+        decode_rows: list[int] = []
+        decode_lens: list[int] = []
+        decode_tables: list[torch.Tensor] = []
+        spans: list[tuple[int, int, int]] = []
+        chunk_tables: list[torch.Tensor] = []
+        for group in self.groups:
+            assert group.spans is not None and group.block_tables is not None
+            padded = torch.nn.functional.pad(group.block_tables, (0, width - group.block_tables.shape[1]))
+            if group.num_queries == 1:
+                decode_rows.extend(row for row, _, _ in group.spans)
+                decode_lens.extend(start + 1 for _, start, _ in group.spans)
+                decode_tables.append(padded)
+            else:
+                spans.extend(group.spans)
+                chunk_tables.append(padded)
+        empty = torch.zeros(0, width, dtype=torch.long, device=device)
+        self._decodes_and_chunks = DecodesAndChunks(
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode_tables=torch.cat(decode_tables) if decode_tables else empty,
+            decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            chunk_spans=torch.tensor(spans, dtype=torch.long).reshape(-1, 3),
+            chunk_tables=torch.cat(chunk_tables) if chunk_tables else empty,
+        )
+        return self._decodes_and_chunks
 
     def rows_as_decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query row of the step as a decode of its own, in row order: ``(block_tables [T,

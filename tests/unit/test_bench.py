@@ -339,6 +339,19 @@ def test_stream_parser_failures() -> None:
     empty.feed("data: [DONE]", 1.0)
     assert finish_result(BenchRequest("p", 3, 4), empty, 0.0, 1.0).error == "stream ended without output text"
 
+
+def test_an_answer_that_ends_at_once_is_completed_and_empty() -> None:
+    """The model's first token is the end of sequence: no text, but the stream finished."""
+    parser = StreamParser()
+    parser.feed(sse({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}), 1.4)
+    parser.feed(sse({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}), 1.5)
+    parser.feed("data: [DONE]", 1.6)
+    result = finish_result(BenchRequest("p", 3, 4), parser, sent=1.0, ended=1.6)
+    assert result.success and result.error is None
+    assert result.ttft == pytest.approx(0.4) and result.output_tokens == 1 and result.itl == []
+    metrics = compute_metrics([result], duration_s=1.0)
+    assert metrics.completed == 1 and metrics.ttft.count == 1 and metrics.tpot.count == 0
+
     garbled = StreamParser()
     garbled.feed("data: {not json", 1.0)
     assert garbled.error is not None and garbled.error.startswith("undecodable")

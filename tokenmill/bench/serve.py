@@ -120,11 +120,14 @@ class StreamParser:
 
     ``feed(line, now)`` takes each line of the body with its arrival time. A chunk counts as
     content when any choice carries non-empty ``text`` (completions) or ``delta.content`` /
-    reasoning text (chat); role-only and usage-only chunks do not.
+    reasoning text (chat); role-only and usage-only chunks do not. ``finish_time`` is when a choice
+    first carried a ``finish_reason``: a model may end its answer at once (its first token the end of
+    sequence), and that empty answer is a completed request, as vLLM's benchmark counts it.
     """
 
     def __init__(self) -> None:
         self.content_times: list[float] = []
+        self.finish_time: float | None = None
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
         self.done = False
@@ -149,8 +152,11 @@ class StreamParser:
             return
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
-        if any(_choice_text(choice) for choice in chunk.get("choices") or []):
+        choices = chunk.get("choices") or []
+        if any(_choice_text(choice) for choice in choices):
             self.content_times.append(now)
+        if self.finish_time is None and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            self.finish_time = now
 
 
 def _choice_text(choice: Any) -> str:
@@ -179,14 +185,18 @@ def finish_result(request: BenchRequest, parser: StreamParser, sent: float, ende
     usage = parser.usage or {}
     if isinstance(usage.get("prompt_tokens"), int):
         result.prompt_len = usage["prompt_tokens"]
+    completion = usage.get("completion_tokens")
     if parser.error is not None:
         result.error = parser.error
+    elif not parser.content_times and parser.finish_time is not None:
+        # An empty answer: its one token (the end of sequence) arrived with the finish.
+        result.ttft = parser.finish_time - sent
+        result.output_tokens = completion if isinstance(completion, int) else 0
     elif not parser.content_times:
         result.error = "stream ended without output text"
     else:
         result.ttft = parser.content_times[0] - sent
         result.itl = inter_token_latencies(parser.content_times)
-        completion = usage.get("completion_tokens")
         result.output_tokens = completion if isinstance(completion, int) else len(parser.content_times)
     return result
 

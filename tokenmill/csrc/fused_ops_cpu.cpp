@@ -46,6 +46,28 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
 }
 
+// 1 / rms(x) of one row of `hidden` features, in float32.
+inline float inverse_rms(float sum_of_squares, int64_t hidden, float eps) {
+  return 1.0f / std::sqrt(sum_of_squares / static_cast<float>(hidden) + eps);
+}
+
+// out = weight * (x * inv_rms).to(T) for one row.
+template <typename T>
+void normalize_row(const T* xr, const T* weight, T* outr, int64_t hidden, float inv_rms) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t i = 0; i < hidden; i += vec::kLanes) {
+      const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, hidden - i));
+      const vec::Vec normed = vec::round_bf16(vec::mul(vec::load(xr + i, n), vec::splat(inv_rms)));
+      vec::store(outr + i, vec::mul(vec::load(weight + i, n), normed), n);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float normed = round_to<T>(static_cast<float>(xr[i]) * inv_rms);
+    outr[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
+  }
+}
+
 // out[r] = weight * (x[r] / rms(x[r])).to(T), the rms in float32 (transformers' LlamaRMSNorm).
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_t out_stride, int64_t rows,
@@ -53,26 +75,22 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* weight, T* out, int64_
   at::parallel_for(0, rows, rows_grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
-      T* outr = out + r * out_stride;
       float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) {
-        float v = static_cast<float>(xr[i]);
-        sum += v * v;
-      }
-      const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        vec::Vec squares = vec::zero();
         for (int64_t i = 0; i < hidden; i += vec::kLanes) {
-          const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, hidden - i));
-          const vec::Vec normed = vec::round_bf16(vec::mul(vec::load(xr + i, n), vec::splat(inv_rms)));
-          vec::store(outr + i, vec::mul(vec::load(weight + i, n), normed), n);
+          const vec::Vec v = vec::load(xr + i, static_cast<int>(std::min<int64_t>(vec::kLanes, hidden - i)));
+          squares = vec::fmadd(v, v, squares);
         }
-        continue;
+        sum = vec::reduce_add(squares);
+      } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; ++i) {
+          float v = static_cast<float>(xr[i]);
+          sum += v * v;
+        }
       }
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float normed = round_to<T>(static_cast<float>(xr[i]) * inv_rms);
-        outr[i] = static_cast<T>(static_cast<float>(weight[i]) * normed);
-      }
+      normalize_row(xr, weight, out + r * out_stride, hidden, inverse_rms(sum, hidden, eps));
     }
   });
 }
@@ -91,6 +109,40 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// In place: residual[r] <- (residual[r] + x[r]).to(T); x[r] <- rms_norm(residual[r]).
+template <typename T>
+void add_rms_norm_rows(T* xp, int64_t xs, T* rp, int64_t rs, const T* weight, int64_t rows, int64_t hidden,
+                       float eps) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // One pass for the add and the squares (of the sums as rounded to bfloat16), one to normalize.
+    at::parallel_for(0, rows, rows_grain(hidden), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* xr = xp + r * xs;
+        T* rr = rp + r * rs;
+        vec::Vec squares = vec::zero();
+        for (int64_t i = 0; i < hidden; i += vec::kLanes) {
+          const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, hidden - i));
+          const vec::Vec sum = vec::round_bf16(vec::add(vec::load(rr + i, n), vec::load(xr + i, n)));
+          vec::store(rr + i, sum, n);
+          squares = vec::fmadd(sum, sum, squares);
+        }
+        normalize_row(rr, weight, xr, hidden, inverse_rms(vec::reduce_add(squares), hidden, eps));
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, rows, rows_grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * xs;
+      T* rr = rp + r * rs;
+      for (int64_t i = 0; i < hidden; ++i) {
+        rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+      }
+    }
+  });
+  rms_norm_rows<T>(rp, rs, weight, xp, xs, rows, hidden, eps);
+}
+
 // In place: residual <- (residual + x).to(T); x <- rms_norm(residual). The decoder layer's skip
 // connection and the next norm in one pass.
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
@@ -101,21 +153,10 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
               "weight must be contiguous [features]");
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
               "x, residual and weight must have the same dtype");
-  const int64_t rows = x.size(0), hidden = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    const int64_t xs = x.stride(0), rs = residual.stride(0);
-    at::parallel_for(0, rows, rows_grain(hidden), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* xr = xp + r * xs;
-        scalar_t* rr = rp + r * rs;
-        for (int64_t i = 0; i < hidden; ++i) {
-          rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
-        }
-      }
-    });
-    rms_norm_rows<scalar_t>(rp, rs, weight.data_ptr<scalar_t>(), xp, xs, rows, hidden, static_cast<float>(eps));
+    add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(),
+                                residual.stride(0), weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                static_cast<float>(eps));
   });
 }
 
@@ -131,6 +172,19 @@ void rotate_rows(T* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t 
       const float* sin_row = sin_cache + positions[r] * half;
       for (int64_t h = 0; h < heads; ++h) {
         T* head = x + r * row_stride + h * head_dim;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // The same roundings as the loop below, 16 lanes at a time.
+          for (int64_t i = 0; i < half; i += vec::kLanes) {
+            const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, half - i));
+            const vec::Vec c = vec::round_bf16(vec::load(cos_row + i, n));
+            const vec::Vec s = vec::round_bf16(vec::load(sin_row + i, n));
+            const vec::Vec x1 = vec::load(head + i, n), x2 = vec::load(head + i + half, n);
+            vec::store(head + i, vec::sub(vec::round_bf16(vec::mul(x1, c)), vec::round_bf16(vec::mul(x2, s))), n);
+            vec::store(head + i + half, vec::add(vec::round_bf16(vec::mul(x2, c)), vec::round_bf16(vec::mul(x1, s))),
+                       n);
+          }
+          continue;
+        }
         for (int64_t i = 0; i < half; ++i) {
           const float c = round_to<T>(cos_row[i]), s = round_to<T>(sin_row[i]);
           const float x1 = static_cast<float>(head[i]), x2 = static_cast<float>(head[i + half]);

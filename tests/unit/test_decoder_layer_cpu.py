@@ -3,7 +3,9 @@ runs every Llama layer and the final norm in one C++ call, with the same bits as
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -123,13 +125,13 @@ def test_steps_with_prompt_chunks_over_the_prefill_kernel_run_fused_with_the_sam
     model = llm.engine.executor.runner.model
     assert model.decode_stack is not None
     calls = _count_stack_rows(monkeypatch)
-    chunked: list[int] = []
+    chunked: list[dict[str, Any]] = []  # the arguments of the calls with chunks
     original = fused_cpu.llama_decode_stack
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        chunks = STACK_SIGNATURE.bind(*args, **kwargs).arguments.get("chunks")
-        if chunks is not None:
-            chunked.append(int(chunks.chunk_spans.shape[0]))
+        arguments = STACK_SIGNATURE.bind(*args, **kwargs).arguments
+        if arguments.get("chunks") is not None:
+            chunked.append({**arguments, "hidden": arguments["hidden"].clone()})
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fused_cpu, "llama_decode_stack", recording)
@@ -139,6 +141,14 @@ def test_steps_with_prompt_chunks_over_the_prefill_kernel_run_fused_with_the_sam
     fused = _generate(llm, prompts)
     assert calls and max(calls) > len(prompts)
     assert bool(chunked) == cpu_kernels.attention_tiles_available()
+    if chunked:
+        # The op checks that the decode rows and the chunks cover the step's rows exactly.
+        arguments = chunked[-1]
+        spans = arguments["chunks"].chunk_spans.clone()
+        spans[-1, 2] -= 1
+        short = dataclasses.replace(arguments["chunks"], chunk_spans=spans)
+        with pytest.raises(RuntimeError, match="decode rows and chunks cover"):
+            original(**{**arguments, "hidden": arguments["hidden"].clone(), "chunks": short})
 
     calls.clear()
     llm.engine.kv_manager.reset_prefix_cache()

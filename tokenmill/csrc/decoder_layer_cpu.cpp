@@ -1,5 +1,5 @@
-// The Llama-family decoder stack for a step of decodes (and short prompt chunks) on CPU, in one call.
-// Each layer:
+// The Llama-family decoder stack for a step of decodes (and prompt chunks) on CPU, in one call. Each
+// layer:
 //
 //   residual, x = x, rms_norm(x)              (first layer: no residual yet)
 //   or x, residual = add_rms_norm(x, residual)

@@ -194,8 +194,8 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_decodes(
     ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
     expected = TorchPagedAttention(6, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
     actual = CpuPagedAttention(6, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
-    prefill_tiles = dtype == torch.bfloat16 and window is None and cpu_kernels.attention_tiles_available()
-    assert (metadata._rows_as_decodes is None) == prefill_tiles  # else the one-call path ran
+    prefill_kernel = dtype == torch.bfloat16 and window is None and cpu_kernels.prefill_kernel_available()
+    assert (metadata._rows_as_decodes is None) == prefill_kernel  # else the one-call path ran
     assert torch.equal(ref_cache, cpu_cache)
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
@@ -333,10 +333,10 @@ def test_tile_path_agrees_with_the_vector_path_and_the_reference(
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_reference(
+def test_chunks_over_a_cached_prefix_take_the_prefill_kernel_and_match_the_reference(
     num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 prompt chunks attend through the AMX prefill kernel where the CPU allows it: 66 tokens
+    """bfloat16 prompt chunks attend through the prefill kernel where the CPU has it: 66 tokens
     over 1,024 positions, chunks ending inside and on block boundaries, beside decodes; chunks that
     start their sequence, and chunks longer than the reference's per-sequence threshold. Outputs
     equal the reference's to bfloat16 precision, and the new K/V are stored exactly. Under a
@@ -348,6 +348,8 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_refere
         calls.append((start, query.shape[0]))
         return real(query, key_cache, value_cache, block_table, start, scale)
 
+    taken = cpu_kernels.prefill_kernel_available()
+
     monkeypatch.setattr(cpu_paged, "paged_prefill_attention", spy)
     chunks = ((1024, 66), (16, 40), (31, 33), (5, 64))
     expected, actual, ref_cache, cpu_cache = run_both(
@@ -355,14 +357,14 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_refere
     )
     assert torch.equal(ref_cache, cpu_cache)
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
-    assert calls == (list(chunks) if cpu_kernels.attention_tiles_available() else [])
+    assert calls == (list(chunks) if taken else [])
     calls.clear()
     chunks = ((0, 40), (0, 300), (16, 280))
     expected, actual, _, _ = run_both(
         num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=chunks
     )
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
-    assert calls == (list(chunks) if cpu_kernels.attention_tiles_available() else [])
+    assert calls == (list(chunks) if taken else [])
     calls.clear()
     expected, actual, _, _ = run_both(
         num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=((0, 40), (16, 40)), window=24
@@ -372,8 +374,8 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_tiles_and_match_the_refere
 
 
 def test_prefill_kernel_checks_its_inputs() -> None:
-    if not cpu_kernels.attention_tiles_available():
-        with pytest.raises(RuntimeError, match="needs AMX"):
+    if not cpu_kernels.prefill_kernel_available():
+        with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
             cpu_kernels.paged_prefill_attention(
                 torch.zeros(2, 4, 64, dtype=torch.bfloat16),
                 torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
@@ -404,21 +406,23 @@ def test_prefill_kernel_checks_its_inputs() -> None:
         cpu_kernels.paged_prefill_attention(query, cache, cache, torch.tensor([9]), 3, 0.1)
 
 
+@pytest.mark.parametrize("num_new", [37, 2, 1])  # row tiles of 16 (the last padded), 6 and 3 query rows
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_kernel_rescales_as_later_positions_score_higher(head_dim: int) -> None:
+def test_prefill_kernel_rescales_as_later_positions_score_higher(head_dim: int, num_new: int) -> None:
     """Keys grow along the sequence, so every row's maximum rises at almost every step of 64
     positions (the kernel rescales its sums and outputs each time); a padded last row tile and a
-    chunk ending inside a block. Within bfloat16 rounding of a float32 reference, and no less
-    accurate than the bfloat16 SDPA the reference path runs."""
+    chunk ending inside a block. Both paths (AMX tiles, AVX512-BF16 vectors) within bfloat16 rounding
+    of a float32 reference, and no less accurate than the bfloat16 SDPA the reference path runs."""
     generator = torch.Generator().manual_seed(3)
-    start, num_new, heads, kv_heads = 300, 37, 6, 2
+    start, heads, kv_heads = 300, 6, 2
     total = start + num_new
     num_blocks = (total + 15) // 16
     ramp = torch.linspace(0.0, 6.0, num_blocks * 16).view(num_blocks, 16, 1, 1)
     direction = torch.randn(1, 1, kv_heads, head_dim, generator=generator)
     noise = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=generator)
-    key_cache = (ramp * direction + 0.3 * noise).to(torch.bfloat16)
-    value_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+    # In position order; the cache holds logical block b in block table[b].
+    ordered_keys = (ramp * direction + 0.3 * noise).to(torch.bfloat16)
+    ordered_values = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
     group = heads // kv_heads
     query = (
         direction.view(1, kv_heads, 1, head_dim)
@@ -427,9 +431,10 @@ def test_prefill_kernel_rescales_as_later_positions_score_higher(head_dim: int) 
         + 0.3 * torch.randn(num_new, heads, head_dim, generator=generator)
     ).to(torch.bfloat16)
     table = torch.randperm(num_blocks, generator=generator)
-    cache_order = torch.argsort(table)  # the block holding positions 16 b .. 16 b + 15 is table[b]
-    keys = key_cache[cache_order].reshape(-1, kv_heads, head_dim)[:total]  # [total, kv_heads, head_dim]
-    values = value_cache[cache_order].reshape(-1, kv_heads, head_dim)[:total]
+    key_cache, value_cache = torch.empty_like(ordered_keys), torch.empty_like(ordered_values)
+    key_cache[table], value_cache[table] = ordered_keys, ordered_values
+    keys = ordered_keys.reshape(-1, kv_heads, head_dim)[:total]  # [total, kv_heads, head_dim]
+    values = ordered_values.reshape(-1, kv_heads, head_dim)[:total]
     scale = head_dim**-0.5
     allowed = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]  # [num_new, total]
     mask = torch.zeros(num_new, total).masked_fill(~allowed, float("-inf"))
@@ -446,15 +451,22 @@ def test_prefill_kernel_rescales_as_later_positions_score_higher(head_dim: int) 
         return out[0].transpose(0, 1).float()
 
     reference = attend(torch.float32)
-    if not cpu_kernels.attention_tiles_available():
-        with pytest.raises(RuntimeError, match="needs AMX"):
+    if not cpu_kernels.prefill_kernel_available():
+        with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
             cpu_kernels.paged_prefill_attention(query, key_cache, value_cache, table, start, scale)
         return
-    actual = cpu_kernels.paged_prefill_attention(query, key_cache, value_cache, table, start, scale).float()
-    torch.testing.assert_close(actual, reference, atol=ATOL[torch.bfloat16], rtol=0)
-    kernel_error = (actual - reference).abs().mean()
     sdpa_error = (attend(torch.bfloat16) - reference).abs().mean()
-    assert kernel_error <= 1.25 * sdpa_error, (kernel_error, sdpa_error)
+    results = {}
+    for tiles in (True, False):  # AMX tiles where granted, and the AVX512-BF16 vectors
+        actual = cpu_kernels.paged_prefill_attention(
+            query, key_cache, value_cache, table, start, scale, tiles
+        )
+        torch.testing.assert_close(actual.float(), reference, atol=ATOL[torch.bfloat16], rtol=0)
+        kernel_error = (actual.float() - reference).abs().mean()
+        assert kernel_error <= 1.25 * sdpa_error, (tiles, kernel_error, sdpa_error)
+        results[tiles] = actual
+    # The two paths sum in different orders: the same bits only where AMX is not there to differ.
+    assert torch.equal(results[True], results[False]) is not cpu_kernels.attention_tiles_available()
 
 
 def shared_prefix_step(

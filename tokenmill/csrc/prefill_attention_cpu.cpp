@@ -1,6 +1,6 @@
-// Prompt-chunk attention over the paged cache on AMX tiles: one sequence's chunk of new tokens
-// attending to everything before it and causally within itself, reading keys and values straight
-// from the cache blocks (no gather, no mask tensor).
+// Prompt-chunk attention over the paged cache, on AMX tiles or AVX512-BF16 vectors: one sequence's
+// chunk of new tokens attending to everything before it and causally within itself, reading keys and
+// values straight from the cache blocks (no gather, no mask tensor).
 //
 // Contract (tokenmill::paged_prefill_attention):
 //   query        [T, num_heads, head_dim] bfloat16, head_dim 64 or 128, head_dim contiguous: the
@@ -12,7 +12,9 @@
 //   start        the position of the chunk's first token: token t attends to positions [0, start + t]
 //   returns      [T, num_heads, head_dim] bfloat16: softmax(q . K^T * scale) . V per query head, query
 //                head h reading KV head h / (num_heads / kv_heads)
-//   Needs the attention tile path (attention_tiles_available()); raises otherwise.
+//   tiles        use AMX tile products where the CPU and the OS allow them; False (or no AMX): the
+//                same products on AVX512-BF16 vectors (tests compare both)
+//   Needs a build with AVX512-BF16 (prefill_attention_available()); raises otherwise.
 //
 // Why: a chunk over a cached prefix (the next turn of a conversation, a question after a shared
 // system prompt) went through a gather of its keys and values into contiguous tensors and SDPA under
@@ -26,7 +28,10 @@
 // probabilities rounded to bfloat16 as the "A" operand of P V, as flash attention kernels do; see
 // attend_rows for its lazy rescaling), and the P V tiles accumulated onto the rows' float32 outputs.
 // Positions past a tile's last row's limit are never computed; the causal limits inside are masked
-// per row, in the steps that reach them.
+// per row, in the steps that reach them. Without AMX the vector path multiplies the same operands
+// with VDPBF16PS: a key tile's row (one dimension pair of 16 positions) against each row's query pair
+// broadcast, and a value tile's row (two positions of 16 dimensions) against each row's probability
+// pair broadcast; sums in float32 as the tile products do, in another order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -40,28 +45,32 @@
 #include "cpu_ops.h"
 #include "vec16.h"
 
-#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_PREFILL_KERNEL 1
+#include "tile_layout.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_PREFILL_AMX 1
 #include "amx_tiles.h"
+#endif
 #endif
 
 namespace tokenmill {
 namespace {
 
 bool prefill_available() {
-#ifdef TOKENMILL_PREFILL_AMX
-  return ops::attention_tiles_available();
+#ifdef TOKENMILL_PREFILL_KERNEL
+  return true;
 #else
   return false;
 #endif
 }
 
-#ifdef TOKENMILL_PREFILL_AMX
+#ifdef TOKENMILL_PREFILL_KERNEL
 using namespace vec;
-using amx::kTileRows;
+using tiles::kTileRows;
 
 constexpr int kStep = 64;      // positions per online-softmax step: four score tiles
-constexpr int64_t kTileWords = amx::kTileBytes / 4;  // one tile in 32-bit words
+constexpr int64_t kTileWords = tiles::kTileBytes / 4;  // one tile in 32-bit words
 
 struct Problem {
   const c10::BFloat16* query;
@@ -94,7 +103,7 @@ void lay_out_keys(const Problem& p, int64_t kv, int64_t block) {
   for (int64_t half = 0; half < p.halves; ++half) {
     __m512i r[kTileRows];
     for (int i = 0; i < kTileRows; ++i) r[i] = _mm512_loadu_si512(rows + i * p.stride_slot + half * 32);
-    amx::transpose16x16(r);
+    tiles::transpose16x16(r);
     uint32_t* tile = key_tile(p, kv, block, half);
     for (int i = 0; i < kTileRows; ++i) _mm512_store_si512(tile + i * kTileRows, r[i]);
   }
@@ -111,12 +120,55 @@ void lay_out_values(const Problem& p, int64_t kv, int64_t step) {
       return p.value_cache + p.table[pos / kTileRows] * p.stride_block + (pos % kTileRows) * p.stride_slot +
              kv * p.stride_head;
     };
-    amx::interleave_value_rows(row(p0), row(p1), p.halves, r, reinterpret_cast<char*>(value_tile(p, kv, step, 0)));
+    tiles::interleave_value_rows(row(p0), row(p1), p.halves, r, reinterpret_cast<char*>(value_tile(p, kv, step, 0)));
+  }
+}
+
+// The vector path's products (AVX512-BF16 on the tile path's operands), for kRows query rows.
+inline __m512bh pair_of(const c10::BFloat16* row, int64_t pair) {
+  uint32_t word;
+  std::memcpy(&word, row + 2 * pair, sizeof(word));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+}
+
+// scores[i][j] = q[i] . key of position j, for the 16 positions of one block: `keys` is the block's
+// first key tile (the `halves` tiles follow one another, so dimension pair k's 16 words sit at
+// keys + 16 k).
+template <int kRows>
+void score_block(const c10::BFloat16 (*q)[128], const uint32_t* keys, int64_t halves, float (*scores)[kTileRows]) {
+  __m512 acc[kRows];
+  for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < halves * 16; ++pair) {
+    const __m512bh k = (__m512bh)_mm512_load_si512(keys + pair * kTileRows);
+    for (int i = 0; i < kRows; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], pair_of(q[i], pair), k);
+  }
+  for (int i = 0; i < kRows; ++i) _mm512_store_ps(scores[i], acc[i]);
+}
+
+// acc[i][16 c .. 16 c + 16) += sum over the `steps` steps of 32 positions of probs[s][i] . V, for every
+// 16-dimension chunk c: `values` is the first step's first value tile, a step's tiles `step_words`
+// after the previous step's, chunk c's kTileWords after chunk c - 1's; row r of a tile pairs positions
+// 2 r and 2 r + 1.
+template <int kRows>
+void accumulate_values(const c10::BFloat16 (*probs)[kTileRows][32], const uint32_t* values, int64_t step_words,
+                       int steps, int64_t chunks, float (*acc)[128]) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 o[kRows];
+    for (int i = 0; i < kRows; ++i) o[i] = _mm512_load_ps(acc[i] + c * kLanes);
+    for (int s = 0; s < steps; ++s) {
+      const uint32_t* tile = values + s * step_words + c * kTileWords;
+      for (int r = 0; r < kTileRows; ++r) {
+        const __m512bh v = (__m512bh)_mm512_load_si512(tile + r * kTileRows);
+        for (int i = 0; i < kRows; ++i) o[i] = _mm512_dpbf16_ps(o[i], pair_of(probs[s][i], r), v);
+      }
+    }
+    for (int i = 0; i < kRows; ++i) _mm512_store_ps(acc[i] + c * kLanes, o[i]);
   }
 }
 
 // The 16 query rows [row0, row0 + 16) of KV head `kv`: row r is token r / group, query head
-// kv * group + r % group.
+// kv * group + r % group. kAmx: tile products (tiles configured by the caller); else vectors, for the
+// first kRows rows (the valid ones; the rest are padding).
 //
 // The softmax keeps, per row, its running maximum `ref` (in raw score units) and weighs position j
 // by 2^((s_j - ref) * scale * log2 e) in float32 (one multiply-subtract and exp2), rounded to
@@ -128,6 +180,7 @@ void lay_out_values(const Problem& p, int64_t kv, int64_t step) {
 // themselves, loaded from and stored to the rows' float32 outputs.
 constexpr float kLog2E = 1.44269504088896341f;
 
+template <bool kAmx, int kRows>
 void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
   const int64_t rows_total = p.num_tokens * p.group;
   const int valid = static_cast<int>(std::min<int64_t>(kTileRows, rows_total - row0));
@@ -159,13 +212,20 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
   const int64_t q_stride = 128 * static_cast<int64_t>(sizeof(c10::BFloat16));
   const int64_t acc_stride = 128 * static_cast<int64_t>(sizeof(float));
   const int64_t chunks = p.head_dim / 16;
-  if (p.halves == 2) {
+#ifdef TOKENMILL_PREFILL_AMX
+  if (kAmx && p.halves == 2) {
     _tile_loadd(6, &q[0][0], q_stride);
     _tile_loadd(7, &q[0][32], q_stride);
   }
+#endif
   for (int64_t pos0 = 0; pos0 < end; pos0 += kStep) {
     const int tiles = static_cast<int>(std::min<int64_t>(4, (end - pos0 + kTileRows - 1) / kTileRows));
     const int64_t block0 = pos0 / kTileRows;
+    if constexpr (!kAmx) {
+      for (int t = 0; t < tiles; ++t) score_block<kRows>(q, key_tile(p, kv, block0 + t, 0), p.halves, scores[t]);
+    }
+#ifdef TOKENMILL_PREFILL_AMX
+    if constexpr (kAmx) {
     // (The tile intrinsics take literal tile numbers, hence a macro.)
     // head_dim 64: the queries stay in tiles 6 and 7 for the whole task; 128: reloaded per tile.
 #define TOKENMILL_SCORE_TILE(T)                                                    \
@@ -190,6 +250,8 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     if (tiles > 2) TOKENMILL_SCORE_TILE(2)
     if (tiles > 3) TOKENMILL_SCORE_TILE(3)
 #undef TOKENMILL_SCORE_TILE
+    }
+#endif
     // Only steps reaching past the first row's limit (the smallest) need a causal mask.
     const bool masked = pos0 + tiles * kTileRows > limit[0] + 1;
     uint32_t rescaled = 0;  // rows whose reference moved this step
@@ -230,10 +292,17 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     }
     const int steps = (tiles + 1) / 2;  // of 32 positions
     const int64_t value_step0 = pos0 / 32;
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-      amx::accumulate_values(reinterpret_cast<const char*>(probs),
-                             reinterpret_cast<const char*>(value_tile(p, kv, value_step0, c0)),
-                             (p.head_dim / 16) * amx::kTileBytes, steps, &acc[0][c0 * kLanes], acc_stride);
+    if constexpr (!kAmx) {
+      accumulate_values<kRows>(probs, value_tile(p, kv, value_step0, 0), chunks * kTileWords, steps, chunks, acc);
+    }
+#ifdef TOKENMILL_PREFILL_AMX
+    if constexpr (kAmx) {
+      for (int64_t c0 = 0; c0 < chunks; c0 += 4)
+        amx::accumulate_values(reinterpret_cast<const char*>(probs),
+                               reinterpret_cast<const char*>(value_tile(p, kv, value_step0, c0)),
+                               chunks * amx::kTileBytes, steps, &acc[0][c0 * kLanes], acc_stride);
+    }
+#endif
   }
   for (int i = 0; i < valid; ++i) {
     const int64_t row = row0 + i, token = row / p.group, head = kv * p.group + row % p.group;
@@ -243,12 +312,47 @@ void attend_rows(const Problem& p, int64_t kv, int64_t row0) {
     for (int64_t d = 0; d < p.head_dim; ++d) o[d] = static_cast<c10::BFloat16>(acc[i][d] * inv);
   }
 }
-#endif  // TOKENMILL_PREFILL_AMX
+
+// Every row tile of the chunk (tasks of a KV head and 16 query rows), on the threads.
+void attend_all(const Problem& p, bool amx) {
+  const int64_t rows_total = p.num_tokens * p.group;
+  const int64_t row_tiles = (rows_total + kTileRows - 1) / kTileRows;
+  // Dynamic: a causal chunk's later rows see more positions, so equal shares of tasks are not equal work.
+  const int64_t num_tasks = p.kv_heads * row_tiles;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), num_tasks));
+#ifdef TOKENMILL_PREFILL_AMX
+  if (amx) {
+#pragma omp parallel num_threads(threads)
+    {
+      amx::configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < num_tasks; ++task)
+        attend_rows<true, kTileRows>(p, task % p.kv_heads, task / p.kv_heads * kTileRows);
+      _tile_release();
+    }
+    return;
+  }
+#endif
+  (void)amx;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t task = 0; task < num_tasks; ++task) {
+    const int64_t kv = task % p.kv_heads, row0 = task / p.kv_heads * kTileRows;
+    // Vector work grows with the rows: a tile with few valid rows (a short chunk) computes only those.
+    const int64_t valid = std::min<int64_t>(kTileRows, rows_total - row0);
+    if (valid <= 4)
+      attend_rows<false, 4>(p, kv, row0);
+    else if (valid <= 8)
+      attend_rows<false, 8>(p, kv, row0);
+    else
+      attend_rows<false, kTileRows>(p, kv, row0);
+  }
+}
+#endif  // TOKENMILL_PREFILL_KERNEL
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                    const at::Tensor& value_cache, const at::Tensor& block_table, int64_t start,
-                                   double scale) {
-  TORCH_CHECK(prefill_available(), "paged_prefill_attention needs AMX (CPU support and the OS's permission)");
+                                   double scale, bool tiles) {
+  TORCH_CHECK(prefill_available(), "paged_prefill_attention needs a CPU with AVX512-BF16 (or AMX)");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1,
               "query must be bfloat16 [T, num_heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
@@ -267,7 +371,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   TORCH_CHECK(total <= block_table.size(0) * 16, "start + T = ", total, " exceeds the block table");
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (num_tokens == 0) return out;
-#ifdef TOKENMILL_PREFILL_AMX
+#ifdef TOKENMILL_PREFILL_KERNEL
   const at::Tensor table = block_table.contiguous();
   Problem p{};
   p.query = query.data_ptr<c10::BFloat16>();
@@ -312,17 +416,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
         lay_out_values(p, kv, k - p.blocks);
     }
   });
-  const int64_t row_tiles = (num_tokens * p.group + kTileRows - 1) / kTileRows;
-  // Dynamic: a causal chunk's later rows see more positions, so equal shares of tasks are not equal work.
-  const int64_t num_tasks = kv_heads * row_tiles;
-  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), num_tasks));
-#pragma omp parallel num_threads(threads)
-  {
-    amx::configure_tiles();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tasks; ++task) attend_rows(p, task % kv_heads, task / kv_heads * kTileRows);
-    _tile_release();
-  }
+  attend_all(p, tiles && ops::attention_tiles_available());
+#else
+  (void)tiles;
 #endif
   return out;
 }
@@ -331,16 +427,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
 }  // namespace tokenmill
 
 namespace tokenmill::ops {
+bool prefill_attention_available() { return ::tokenmill::prefill_available(); }
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& block_table, int64_t start, double scale) {
-  return ::tokenmill::paged_prefill_attention(query, key_cache, value_cache, block_table, start, scale);
+  return ::tokenmill::paged_prefill_attention(query, key_cache, value_cache, block_table, start, scale,
+                                              /*tiles=*/true);
 }
 }  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, int start, "
-      "float scale) -> Tensor");
+      "float scale, bool tiles=True) -> Tensor");
+  m.def("prefill_attention_available() -> bool", &tokenmill::ops::prefill_attention_available);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention); }

@@ -33,7 +33,13 @@ SOURCES = [
     CSRC / "q8_gemm_cpu.cpp",
     CSRC / "prefill_attention_cpu.cpp",
 ]
-HEADERS = [CSRC / "vec16.h", CSRC / "cpu_ops.h", CSRC / "group_gemm.h", CSRC / "amx_tiles.h"]
+HEADERS = [
+    CSRC / "vec16.h",
+    CSRC / "cpu_ops.h",
+    CSRC / "group_gemm.h",
+    CSRC / "amx_tiles.h",
+    CSRC / "tile_layout.h",
+]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -104,7 +110,7 @@ def _register_fake() -> None:
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("tokenmill::paged_prefill_attention")
-    def _prefill(query, key_cache, value_cache, block_table, start, scale):  # type: ignore[no-untyped-def]
+    def _prefill(query, key_cache, value_cache, block_table, start, scale, tiles=True):  # type: ignore[no-untyped-def]
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("tokenmill::rms_norm")
@@ -153,15 +159,18 @@ def paged_prefill_attention(
     block_table: torch.Tensor,  # [max_blocks] int64: one sequence's blocks
     start: int,
     scale: float,
+    tiles: bool = True,
 ) -> torch.Tensor:
     """One sequence's chunk of ``T`` new tokens at positions ``start .. start + T - 1`` attending to its
     cached keys/values (this step's already stored), causally: token ``t`` sees positions
-    ``[0, start + t]``. AMX tile products straight from the cache blocks (``csrc/prefill_attention_cpu.cpp``);
-    bfloat16, 16-slot blocks, head_dim 64 or 128, and ``attention_tiles_available()`` only. Returns
-    ``[T, num_heads, head_dim]`` bfloat16; RuntimeError otherwise."""
+    ``[0, start + t]``. Reads the cache blocks in place (``csrc/prefill_attention_cpu.cpp``): AMX tile
+    products where :func:`attention_tiles_available` and ``tiles``, else the same products on
+    AVX512-BF16 vectors. bfloat16, 16-slot blocks, head_dim 64 or 128, and
+    :func:`prefill_kernel_available` only. Returns ``[T, num_heads, head_dim]`` bfloat16;
+    RuntimeError otherwise."""
     _op()  # builds the kernels, or raises
     return torch.ops.tokenmill.paged_prefill_attention(
-        query, key_cache, value_cache, block_table, start, scale
+        query, key_cache, value_cache, block_table, start, scale, tiles
     )
 
 
@@ -170,6 +179,13 @@ def attention_tiles_available() -> bool:
     """Whether the attention kernels' AMX tile paths run here (``paged_prefill_attention``, and
     ``paged_attention_decode`` with ``tiles``): the kernels built, and the CPU and the OS grant AMX."""
     return load_error() is None and bool(torch.ops.tokenmill.attention_tiles_available())
+
+
+@functools.cache
+def prefill_kernel_available() -> bool:
+    """Whether :func:`paged_prefill_attention` runs here: the kernels built for a CPU with AVX512-BF16
+    (AMX tiles are used on top where granted)."""
+    return load_error() is None and bool(torch.ops.tokenmill.prefill_attention_available())
 
 
 def write_kv(

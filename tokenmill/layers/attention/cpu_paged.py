@@ -1,13 +1,14 @@
-"""CPU paged attention: decodes through the fused C++ decode kernel, prompt chunks through the AMX
-prefill kernel where the CPU has it, else short chunks as decodes and longer ones through the
+"""CPU paged attention: decodes through the fused C++ decode kernel, prompt chunks through the
+prefill kernel where the CPU has AVX512-BF16, else short chunks as decodes and longer ones through the
 reference.
 
 A decode group (one new token per sequence) attends straight from the paged cache through its block
-tables, with no gather copy and no padded mask. In bfloat16 on CPUs with AMX every prompt chunk
-attends through ``paged_prefill_attention``, one call a chunk, reading the blocks in place (about
-twice as fast as the reference's gather and SDPA at every length measured). Elsewhere a step whose
-prompt chunks are all short (at most ``SHORT_CHUNK_MAX_QUERIES`` tokens), in bfloat16 or float16,
-runs every row through the decode kernel as a decode of its own
+tables, with no gather copy and no padded mask. In bfloat16 on CPUs with AVX512-BF16 every prompt
+chunk attends through ``paged_prefill_attention``, one call a chunk, reading the blocks in place (AMX
+tile products where granted, else AVX512-BF16 vectors; faster than the reference's gather and SDPA
+at every length measured, and than running the chunk's rows as decodes from 4 tokens on). Elsewhere
+a step whose prompt chunks are all short (at most ``SHORT_CHUNK_MAX_QUERIES`` tokens), in bfloat16
+or float16, runs every row through the decode kernel as a decode of its own
 (``AttentionMetadata.rows_as_decodes``): the per-layer gather and SDPA call of a few-token chunk
 cost more than the attention itself. Longer chunks keep the reference's gather + SDPA.
 """
@@ -21,9 +22,9 @@ import torch
 from tokenmill.layers.attention.torch_ref import TorchPagedAttention
 from tokenmill.layers.cpu_kernels import (
     MAX_HEAD_DIM,
-    attention_tiles_available,
     paged_attention_decode,
     paged_prefill_attention,
+    prefill_kernel_available,
     write_kv,
 )
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, DecodesAndChunks
@@ -101,7 +102,7 @@ class CpuPagedAttention(TorchPagedAttention):
         group: AttentionGroup,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> None:
-        if self._prefill_tiles_take(query.dtype, kv_cache, group):
+        if self._prefill_kernel_takes(query.dtype, kv_cache, group):
             assert group.spans is not None and group.block_tables is not None
             for s, (row, start, num_new) in enumerate(group.spans):
                 out[row : row + num_new] = paged_prefill_attention(
@@ -139,13 +140,17 @@ class CpuPagedAttention(TorchPagedAttention):
         else:
             super()._store_kv(key, value, kv_cache, slot_mapping)
 
-    def _prefill_tiles_take(self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup) -> bool:
-        """Whether ``group``'s prompt chunks attend through the AMX prefill kernel, one call a chunk:
-        bfloat16, 16-slot blocks, head_dim 64 or 128, no window. The kernel reads the blocks in place
-        where the reference gathers them and runs SDPA (causal, or under a mask over a cached prefix);
-        with SmolLM2's heads it takes about half the time at every length measured (per layer: 66
-        tokens over 1,024 cached positions 0.26 vs 0.54 ms, 128 tokens from position 0 0.06 vs 0.14
-        ms, 1,090 tokens 1.5 vs 3.2 ms, 2,048 tokens 4.7 vs 9.1 ms)."""
+    def _prefill_kernel_takes(
+        self, dtype: torch.dtype, kv_cache: torch.Tensor, group: AttentionGroup
+    ) -> bool:
+        """Whether ``group``'s prompt chunks attend through the prefill kernel, one call a chunk:
+        bfloat16, 16-slot blocks, head_dim 64 or 128, no window, a CPU with AVX512-BF16. The kernel
+        reads the blocks in place where the reference gathers them and runs SDPA (causal, or under a
+        mask over a cached prefix). Per layer with SmolLM2's heads, kernel vs reference: on a Xeon's
+        AMX tiles 66 tokens over 1,024 cached positions 0.26 vs 0.54 ms, 1,090 tokens from position 0
+        1.5 vs 3.2 ms; on a Zen 4's AVX512-BF16 vectors 0.63 vs 2.8 ms and 5.3 vs 16.9 ms, 128 tokens
+        0.13 vs 0.92 ms, and 4 / 32 tokens over 1,024 positions 92 / 329 us against 102 / 685 us as
+        rows of the decode kernel."""
         return (
             dtype == torch.bfloat16
             and kv_cache.dtype == torch.bfloat16
@@ -155,7 +160,7 @@ class CpuPagedAttention(TorchPagedAttention):
             and group.sliding_window is None
             and group.spans is not None
             and group.block_tables is not None
-            and attention_tiles_available()
+            and prefill_kernel_available()
         )
 
     def _kernel_takes_short_chunks(
@@ -183,7 +188,7 @@ class CpuPagedAttention(TorchPagedAttention):
         (``fused_cpu.llama_decode_stack``)."""
         groups = metadata.groups
         if any(g.num_queries > 1 for g in groups):
-            if self._chunks_take_prefill_tiles(dtype, kv_cache, groups):
+            if self._chunks_take_prefill_kernel(dtype, kv_cache, groups):
                 return None  # group by group: the prefill kernel is faster than rows as decodes
             if not all(self._kernel_takes_short_chunks(dtype, kv_cache, g) for g in groups):
                 return None
@@ -208,9 +213,9 @@ class CpuPagedAttention(TorchPagedAttention):
         """How the fused decode stack (``fused_cpu.llama_decode_stack``) attends this step's rows as
         ``forward`` would, with the same kernels on the same rows: every row a decode (``kernel_rows``),
         or decodes through the decode kernel and prompt chunks through the prefill kernel when that
-        takes every chunk group (``_prefill_tiles_take``); None when neither applies."""
+        takes every chunk group (``_prefill_kernel_takes``); None when neither applies."""
         groups = metadata.groups
-        if any(g.num_queries > 1 for g in groups) and self._chunks_take_prefill_tiles(
+        if any(g.num_queries > 1 for g in groups) and self._chunks_take_prefill_kernel(
             dtype, kv_cache, groups
         ):
             split = metadata.decodes_and_chunks()
@@ -221,13 +226,13 @@ class CpuPagedAttention(TorchPagedAttention):
         block_tables, seq_lens, window = rows
         return StackAttention(block_tables, seq_lens, window, None)
 
-    def _chunks_take_prefill_tiles(
+    def _chunks_take_prefill_kernel(
         self, dtype: torch.dtype, kv_cache: torch.Tensor, groups: list[AttentionGroup]
     ) -> bool:
         """Whether every group with prompt chunks attends through the prefill kernel and every other
         group through the decode kernel."""
         return all(
-            self._prefill_tiles_take(dtype, kv_cache, g)
+            self._prefill_kernel_takes(dtype, kv_cache, g)
             if g.num_queries > 1
             else g.spans is not None and self._kernel_handles(dtype, kv_cache, g)
             for g in groups

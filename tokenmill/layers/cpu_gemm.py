@@ -20,12 +20,15 @@ _PACK_BATCH_HINT = 128
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can use the packed path: a bfloat16 CPU tensor and a oneDNN build of torch."""
+    """Whether ``weight`` can use the packed path: a bfloat16 CPU tensor, a oneDNN build of torch and
+    a CPU whose bfloat16 oneDNN kernels exist (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on a plain AVX2
+    machine oneDNN refuses to reorder a bfloat16 weight, so such layers keep ``F.linear``)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

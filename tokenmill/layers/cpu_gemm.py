@@ -19,6 +19,12 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 128
 
 
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 instructions that oneDNN uses (AVX-512 BW/VL/DQ, AMX or
+    AVX-NE-CONVERT). Without them (a plain AVX2 machine) bfloat16 products are emulated."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packing_available(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can use the packed path: a bfloat16 CPU tensor, a oneDNN build of torch and
     a CPU whose bfloat16 oneDNN kernels exist (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on a plain AVX2
@@ -28,7 +34,7 @@ def packing_available(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and cpu_computes_bfloat16()
     )
 
 

@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.linear import LinearBase
@@ -35,12 +36,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 where the hardware computes it natively, float32 elsewhere."""
+    """``auto`` is bfloat16 where the hardware computes it natively, float32 elsewhere. An explicit
+    bfloat16 on a CPU without bfloat16 instructions is kept, with a warning that it is slow there."""
+    native_bf16 = device.type == "cuda" or cpu_computes_bfloat16()
     if name != "auto":
+        if name == "bfloat16" and not native_bf16:
+            logger.warning(
+                "this CPU has no bfloat16 instructions (AVX512-BF16, AMX or AVX-NE-CONVERT): bfloat16 "
+                "matrix products are emulated and run many times slower than float32 here "
+                "(--dtype auto picks float32 on such a CPU)"
+            )
         return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16 if native_bf16 else torch.float32
 
 
 class ModelRunner:

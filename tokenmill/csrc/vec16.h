@@ -1,5 +1,6 @@
-// A 16-lane float32 vector type for the CPU kernels: an AVX-512 implementation, and a portable one of
-// plain loops (for machines without AVX-512, or built with -DTOKENMILL_NO_AVX512) that the compiler
+// A 16-lane float32 vector type for the CPU kernels: an AVX-512 implementation, an AVX2 one (two
+// 8-lane halves, for x86 CPUs without AVX-512 such as Zen 3, or built with -DTOKENMILL_NO_AVX512),
+// and a portable one of plain loops (other CPUs, or -DTOKENMILL_NO_AVX2 as well) that the compiler
 // vectorizes as it can. Kernels are written once against these functions.
 #pragma once
 
@@ -13,6 +14,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(TOKENMILL_NO_AVX512)
 #define TOKENMILL_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TOKENMILL_NO_AVX2)
+#define TOKENMILL_AVX2 1
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
 #endif
 
 namespace tokenmill {
@@ -140,6 +147,187 @@ inline Vec exp2(Vec x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return {_mm512_scalef_ps(p, k)};
 }
+
+#elif defined(TOKENMILL_AVX2)
+
+struct Vec {
+  __m256 lo, hi;  // lanes 0-7, lanes 8-15
+};
+
+namespace avx2 {
+// All-ones in the first n lanes of an 8-lane vector (none for n <= 0, all for n >= 8).
+inline __m256i first_lanes(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// Eight bfloat16 bit patterns widened to float32 (a bfloat16 is the high half of a float32).
+inline __m256 widen_bf16(__m128i raw) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+// The first n (< 16) 16-bit elements of p, the rest zero, without reading past them.
+inline void copy_tail16(const void* p, int n, uint16_t (&out)[kLanes]) {
+  std::memset(out, 0, sizeof(out));
+  if (n > 0) std::memcpy(out, p, static_cast<size_t>(n) * sizeof(uint16_t));
+}
+// x rounded to bfloat16 as c10::BFloat16(float) does (nearest, ties to even; NaN to 0x7FC0), as
+// the bit patterns of the rounded floats (low 16 bits zero).
+inline __m256i bf16_rounded_bits(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  rounded = _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+// p * 2^k for integral k in [-254, 254], as AVX-512's scalef: two exact power-of-two factors, so
+// that results below the normal range become denormals or 0 and results above it infinity.
+inline __m256 scale_by_pow2(__m256 p, __m256 k) {
+  const __m256i ki = _mm256_cvtps_epi32(k);
+  const __m256i half = _mm256_srai_epi32(ki, 1);
+  const __m256i rest = _mm256_sub_epi32(ki, half);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+inline __m256 exp8(__m256 x) {  // the AVX-512 exp's polynomial and reduction, on 8 lanes
+  const __m256 xv = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-100.0f)), _mm256_set1_ps(170.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), xv);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  return scale_by_pow2(p, k);
+}
+inline __m256 exp2_8(__m256 x) {  // the AVX-512 exp2's polynomial, on 8 lanes
+  const __m256 xv = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(250.0f));
+  const __m256 k = _mm256_round_ps(xv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(xv, k);
+  __m256 p = _mm256_set1_ps(1.5403530393381608e-04f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  return scale_by_pow2(p, k);
+}
+inline float sum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float max8(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// Lane i: the sum of the 8 lanes of rows[i], for 8 rows.
+inline __m256 transpose_sums8(const __m256* rows) {
+  const __m256 h01 = _mm256_hadd_ps(rows[0], rows[1]), h23 = _mm256_hadd_ps(rows[2], rows[3]);
+  const __m256 h45 = _mm256_hadd_ps(rows[4], rows[5]), h67 = _mm256_hadd_ps(rows[6], rows[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+}  // namespace avx2
+
+// Loads the first n (<= 16) elements as float32; the other lanes read nothing and are zero.
+inline Vec load(const float* p, int n) {
+  if (n >= kLanes) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  return {_mm256_maskload_ps(p, avx2::first_lanes(n)), _mm256_maskload_ps(p + 8, avx2::first_lanes(n - 8))};
+}
+inline Vec load(const c10::BFloat16* p, int n) {
+  if (n >= kLanes) {
+    return {avx2::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            avx2::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  uint16_t tail[kLanes];
+  avx2::copy_tail16(p, n, tail);
+  return load(reinterpret_cast<const c10::BFloat16*>(tail), kLanes);
+}
+inline Vec load(const c10::Half* p, int n) {
+  if (n >= kLanes) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  uint16_t tail[kLanes];
+  avx2::copy_tail16(p, n, tail);
+  return load(reinterpret_cast<const c10::Half*>(tail), kLanes);
+}
+// Loads n floats; the other lanes are `fill` (e.g. -inf for a max).
+inline Vec load_or(const float* p, int n, float fill) {
+  if (n >= kLanes) return load(p, n);
+  const Vec loaded = load(p, n);
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, loaded.lo, _mm256_castsi256_ps(avx2::first_lanes(n))),
+          _mm256_blendv_ps(f, loaded.hi, _mm256_castsi256_ps(avx2::first_lanes(n - 8)))};
+}
+inline void store(float* p, Vec x, int n) {
+  if (n >= kLanes) {
+    _mm256_storeu_ps(p, x.lo);
+    _mm256_storeu_ps(p + 8, x.hi);
+    return;
+  }
+  _mm256_maskstore_ps(p, avx2::first_lanes(n), x.lo);
+  _mm256_maskstore_ps(p + 8, avx2::first_lanes(n - 8), x.hi);
+}
+// static_cast<float>(static_cast<c10::BFloat16>(x)) lane by lane.
+inline Vec round_bf16(Vec x) {
+  return {_mm256_castsi256_ps(avx2::bf16_rounded_bits(x.lo)), _mm256_castsi256_ps(avx2::bf16_rounded_bits(x.hi))};
+}
+// Stores the first n lanes as bfloat16, rounded as c10::BFloat16(float).
+inline void store(c10::BFloat16* p, Vec x, int n) {
+  const __m256i lo = _mm256_srli_epi32(avx2::bf16_rounded_bits(x.lo), 16);
+  const __m256i hi = _mm256_srli_epi32(avx2::bf16_rounded_bits(x.hi), 16);
+  // packus interleaves the 128-bit halves (lo0-3 hi0-3 lo4-7 hi4-7); the permute puts them in order.
+  const __m256i halves = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+  if (n >= kLanes) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+    return;
+  }
+  uint16_t out[kLanes];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), halves);
+  if (n > 0) std::memcpy(p, out, static_cast<size_t>(n) * sizeof(uint16_t));
+}
+inline Vec splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+// Zeroes the lanes from n on.
+inline Vec keep(Vec a, int n) {
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(avx2::first_lanes(n))),
+          _mm256_and_ps(a.hi, _mm256_castsi256_ps(avx2::first_lanes(n - 8)))};
+}
+inline float reduce_add(Vec a) { return avx2::sum8(_mm256_add_ps(a.lo, a.hi)); }
+// The first lane equal to x, or -1.
+inline int first_equal(Vec a, float x) {
+  const __m256 target = _mm256_set1_ps(x);
+  const int hits = _mm256_movemask_ps(_mm256_cmp_ps(a.lo, target, _CMP_EQ_OQ)) |
+                   (_mm256_movemask_ps(_mm256_cmp_ps(a.hi, target, _CMP_EQ_OQ)) << 8);
+  return hits == 0 ? -1 : __builtin_ctz(static_cast<unsigned>(hits));
+}
+inline float reduce_max(Vec a) { return avx2::max8(_mm256_max_ps(a.lo, a.hi)); }
+// Lane i of the result is the sum of the 16 floats of row i (rows: 16 rows of 16 floats).
+inline Vec reduce_rows(const float* rows) {
+  __m256 halves[kLanes];  // row i's two halves added
+  for (int i = 0; i < kLanes; ++i)
+    halves[i] = _mm256_add_ps(_mm256_loadu_ps(rows + i * kLanes), _mm256_loadu_ps(rows + i * kLanes + 8));
+  return {avx2::transpose_sums8(halves), avx2::transpose_sums8(halves + 8)};
+}
+// exp and exp2: the AVX-512 versions' polynomials (about one float32 ulp, 1e-7 relative).
+inline Vec exp(Vec x) { return {avx2::exp8(x.lo), avx2::exp8(x.hi)}; }
+inline Vec exp2(Vec x) { return {avx2::exp2_8(x.lo), avx2::exp2_8(x.hi)}; }
 
 #else  // portable fallback: plain loops over 16 lanes
 

@@ -18,6 +18,12 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels() -> None:
+    """Builds and loads the kernels, so that every test here also runs alone (``-k``)."""
+    assert fused_cpu.applies_to(torch.zeros(1, dtype=BF16))
+
+
 def test_applies_only_to_bfloat16_cpu() -> None:
     assert fused_cpu.applies_to(torch.zeros(2, dtype=BF16))
     assert not fused_cpu.applies_to(torch.zeros(2, dtype=torch.float32))
@@ -61,6 +67,17 @@ def test_silu_and_mul_matches_unfused(size: int) -> None:
     gate_up = torch.randn(13, 2 * size, dtype=BF16) * 4
     expected = F.silu(gate_up[:, :size]) * gate_up[:, size:]
     assert torch.equal(fused_cpu.silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_silu_and_mul_at_the_edges_of_exp(dtype: torch.dtype) -> None:
+    """The kernels' vector exp (whichever of AVX-512, AVX2 or plain loops this CPU builds) where it
+    underflows, overflows and meets infinities and NaN: silu(g) * 1 as torch computes it."""
+    edges = [1e4, 300, 171, 150, 100, 88.8, 87, 50, 1, 1e-3, 0.0, float("inf")]
+    gate = torch.tensor([*edges, *[-e for e in edges], float("nan")], dtype=dtype)  # 25: a partial vector
+    got = fused_cpu.silu_and_mul(torch.cat([gate, torch.ones_like(gate)]).unsqueeze(0))[0]
+    expected = F.silu(gate.float()).to(dtype)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True)
 
 
 def test_rms_norm_of_a_width_with_a_partial_last_vector_matches_unfused() -> None:

@@ -42,8 +42,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         if name == "bfloat16" and not native_bf16:
             logger.warning(
-                "this CPU has no bfloat16 instructions (AVX512-BF16, AMX or AVX-NE-CONVERT): bfloat16 "
-                "matrix products are emulated and run many times slower than float32 here "
+                "this CPU has no bfloat16 instructions for oneDNN (AVX-512 BW/VL/DQ, AMX or AVX-NE-CONVERT): "
+                "bfloat16 matrix products are emulated and run many times slower than float32 here "
                 "(--dtype auto picks float32 on such a CPU)"
             )
         return _DTYPES[name]

@@ -1,5 +1,5 @@
 """The model dtype on CPUs with and without bfloat16 instructions (``resolve_dtype``), and oneDNN's
-packed bfloat16 weights only where its bfloat16 kernels exist (``packing_available``)."""
+packed weights: float32 always, bfloat16 only where its bfloat16 kernels exist (``packing_available``)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,29 @@ def test_explicit_bfloat16_without_the_instructions_is_kept_with_a_warning(
     assert "--dtype auto picks float32" in caplog.records[0].getMessage()
 
 
-def test_weights_are_packed_only_where_onednn_has_bfloat16_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weights_are_packed_only_where_onednn_has_kernels_for_their_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     weight = torch.zeros(8, 16, dtype=torch.bfloat16)
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     monkeypatch.setattr(cpu_gemm, "cpu_computes_bfloat16", lambda: False)
     assert not cpu_gemm.packing_available(weight)
+    assert cpu_gemm.packing_available(weight.float()) == onednn  # AVX2's float32 kernels: every x86 CPU
     monkeypatch.setattr(cpu_gemm, "cpu_computes_bfloat16", lambda: True)
-    assert cpu_gemm.packing_available(weight) == (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-    assert not cpu_gemm.packing_available(weight.float())
+    assert cpu_gemm.packing_available(weight) == onednn
+    assert cpu_gemm.packing_available(weight.float()) == onednn
+    assert not cpu_gemm.packing_available(weight.half())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+def test_packed_float32_linear_matches_f_linear(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator)  # [out, in]
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(rows, 80, generator=generator)
+    packed = cpu_gemm.packed_linear(x, cpu_gemm.pack_weight(weight), bias)  # [rows, 96]
+    reference = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    assert packed.dtype == torch.float32 and packed.shape == (rows, 96)
+    # float32 products of 80 terms: a few ulps of the sum of magnitudes, as F.linear's own error.
+    bound = 1e-6 * (x.abs().double() @ weight.abs().double().T + bias.abs().double())
+    assert bool(((packed.double() - reference).abs() <= bound).all())

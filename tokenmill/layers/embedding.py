@@ -91,7 +91,11 @@ class LMHead(nn.Module):
             return int8_linear(hidden, self.int8_weight, self.int8_scales, None)  # [num_rows, vocab]
         if self.q8_weight is not None and self.q8_weight.takes(hidden):
             return self.q8_weight.linear(hidden)  # [num_rows, vocab_size]
-        if self.packed_weight is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
+        if (
+            self.packed_weight is not None
+            and hidden.dtype == self.packed_weight.dtype
+            and hidden.shape[0] > 0
+        ):
             return packed_linear(hidden, self.packed_weight, None)  # [num_rows, vocab_size]
         return F.linear(hidden, self._projection_weight())  # [num_rows, vocab_size]
 

@@ -39,6 +39,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--llama-server", default=None, help="path of llama-server (else $LLAMA_CPP_BIN)")
     parser.add_argument("--llama-quantize", default=None, help="path of llama-quantize (else $LLAMA_CPP_BIN)")
+    parser.add_argument(
+        "--llama-weights",
+        default="BF16",
+        help="llama-server's weight format, made from the bundled Q4_1 file with llama-quantize (BF16 prefills "
+        "fastest on AVX512-BF16 CPUs, F16 on AVX2-only ones; check with llama-bench -p 1024); Q4_1 keeps the original",
+    )
     parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"], help="tokenmill's waiting policy")
     args = parser.parse_args()
 
@@ -66,12 +72,13 @@ def main() -> None:
     server_bin = llama_cpp_tool("llama-server", args.llama_server)
     peer_name = None
     if server_bin is not None:
-        # BF16 is llama-server's fastest prefill here (Q4_1 prefills 2-3x slower); its prompt cache stays on.
+        # The peer runs on the format that prefills fastest on the machine; its prompt cache stays on.
         gguf, peer_name = bundled_gguf(), "llama-server Q4_1"
         quantize_bin = llama_cpp_tool("llama-quantize", args.llama_quantize)
-        if quantize_bin is not None:
+        if args.llama_weights != "Q4_1" and quantize_bin is not None:
             cache_dir = Path.home() / ".cache/tokenmill-bench"
-            gguf, peer_name = requantized(gguf, quantize_bin, "BF16", cache_dir), "llama-server BF16"
+            gguf = requantized(gguf, quantize_bin, args.llama_weights, cache_dir)
+            peer_name = f"llama-server {args.llama_weights}"
         with llama_server(server_bin, gguf, args.concurrency, 2048, []) as url:
             rows[peer_name] = summary(run_bench(url, "llama-server", bench_args))
     else:

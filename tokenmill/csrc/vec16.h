@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(TOKENMILL_NO_AVX512)
@@ -27,6 +28,31 @@ namespace vec {
 
 constexpr int kLanes = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#if defined(TOKENMILL_AVX512) || defined(TOKENMILL_AVX2)
+// The vector exp and exp2 of the AVX-512 and AVX2 implementations, which differ only in intrinsics.
+namespace poly {
+constexpr float kLog2e = 1.44269504088896341f;
+// ln 2 split in a part exact in float32 and a remainder, so that x - k ln 2 loses no bits.
+constexpr float kLn2High = 0.693145751953125f;
+constexpr float kLn2Low = 1.428606765330187e-06f;
+// exp(r) for |r| <= ln(2) / 2: the degree-7 Taylor polynomial (about one float32 ulp), highest first.
+constexpr float kExp[] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
+                          1.0f / 6.0f,    0.5f,           1.0f,           1.0f};
+// 2^f for |f| <= 1/2: a degree-6 polynomial of exp(f ln 2) (about 1e-7 relative), highest first.
+constexpr float kExp2[] = {1.5403530393381608e-04f, 1.3333558146428443e-03f, 9.6181291076284772e-03f,
+                           5.5504108664821580e-02f, 2.4022650695910071e-01f, 6.9314718055994531e-01f,
+                           1.0f};
+// Horner's rule over `coefficients` (highest degree first) at r, with the vector type's
+// fmadd(a, b, c) = a * b + c and splat(c).
+template <typename V, size_t N, typename Fmadd, typename Splat>
+inline V horner(const float (&coefficients)[N], V r, Fmadd fmadd, Splat splat) {
+  V p = splat(coefficients[0]);
+  for (size_t i = 1; i < N; ++i) p = fmadd(p, r, splat(coefficients[i]));
+  return p;
+}
+}  // namespace poly
+#endif
 
 #ifdef TOKENMILL_AVX512
 
@@ -112,22 +138,16 @@ inline Vec reduce_rows(const float* rows) {
 
 // exp(x) = 2^k * exp(r) with k = round(x / ln 2) and |r| <= ln(2) / 2; a degree-7 Taylor polynomial
 // is accurate to about one float32 ulp there. Inputs below -100 (and -inf) give 0.
+inline __m512 fmadd512(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 splat512(float c) { return _mm512_set1_ps(c); }
+
 inline Vec exp(Vec x) {
   __m512 xv = _mm512_max_ps(x.v, _mm512_set1_ps(-100.0f));
-  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(poly::kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln 2 split in a part exact in float32 and a remainder, so that x - k ln 2 loses no bits.
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), xv);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return {_mm512_scalef_ps(p, k)};
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(poly::kLn2High), xv);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(poly::kLn2Low), r);
+  return {_mm512_scalef_ps(poly::horner(poly::kExp, r, fmadd512, splat512), k)};
 }
 
 // 2^x = 2^k * 2^f with k = round(x) and |f| <= 1/2; a degree-6 Taylor polynomial of exp(f ln 2) is
@@ -138,14 +158,7 @@ inline Vec exp2(Vec x) {
   const __m512 xv = _mm512_max_ps(x.v, _mm512_set1_ps(-127.0f));
   const __m512 k = _mm512_roundscale_ps(xv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xv, k);
-  __m512 p = _mm512_set1_ps(1.5403530393381608e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return {_mm512_scalef_ps(p, k)};
+  return {_mm512_scalef_ps(poly::horner(poly::kExp2, f, fmadd512, splat512), k)};
 }
 
 #elif defined(TOKENMILL_AVX2)
@@ -190,34 +203,21 @@ inline __m256 scale_by_pow2(__m256 p, __m256 k) {
   const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
 }
+inline __m256 fmadd8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 splat8(float c) { return _mm256_set1_ps(c); }
 inline __m256 exp8(__m256 x) {  // the AVX-512 exp's polynomial and reduction, on 8 lanes
   const __m256 xv = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-100.0f)), _mm256_set1_ps(170.0f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(poly::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), xv);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  return scale_by_pow2(p, k);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(poly::kLn2High), xv);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(poly::kLn2Low), r);
+  return scale_by_pow2(poly::horner(poly::kExp, r, fmadd8, splat8), k);
 }
 inline __m256 exp2_8(__m256 x) {  // the AVX-512 exp2's polynomial, on 8 lanes
   const __m256 xv = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(250.0f));
   const __m256 k = _mm256_round_ps(xv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(xv, k);
-  __m256 p = _mm256_set1_ps(1.5403530393381608e-04f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  return scale_by_pow2(p, k);
+  return scale_by_pow2(poly::horner(poly::kExp2, f, fmadd8, splat8), k);
 }
 inline float sum8(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

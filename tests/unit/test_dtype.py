@@ -1,5 +1,6 @@
-"""The model dtype on CPUs with and without bfloat16 instructions (``resolve_dtype``), and oneDNN's
-packed weights: float32 always, bfloat16 only where its bfloat16 kernels exist (``packing_available``)."""
+"""The model dtype on CPUs with and without bfloat16 instructions (``resolve_dtype``), and packed
+weights: float32 always (AVX2 panels where the CPU has no AVX-512, else oneDNN), bfloat16 only where
+oneDNN's bfloat16 kernels exist (``packing_available``)."""
 
 from __future__ import annotations
 
@@ -38,18 +39,75 @@ def test_explicit_bfloat16_without_the_instructions_is_kept_with_a_warning(
     assert "--dtype auto picks float32" in caplog.records[0].getMessage()
 
 
-def test_weights_are_packed_only_where_onednn_has_kernels_for_their_dtype(
+def test_weights_are_packed_only_where_a_kernel_exists_for_their_dtype(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     weight = torch.zeros(8, 16, dtype=torch.bfloat16)
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    float32_packs = onednn or cpu_gemm.float32_panels_available()  # every x86 CPU
     monkeypatch.setattr(cpu_gemm, "cpu_computes_bfloat16", lambda: False)
     assert not cpu_gemm.packing_available(weight)
-    assert cpu_gemm.packing_available(weight.float()) == onednn  # AVX2's float32 kernels: every x86 CPU
+    assert cpu_gemm.packing_available(weight.float()) == float32_packs
     monkeypatch.setattr(cpu_gemm, "cpu_computes_bfloat16", lambda: True)
     assert cpu_gemm.packing_available(weight) == onednn
-    assert cpu_gemm.packing_available(weight.float()) == onednn
+    assert cpu_gemm.packing_available(weight.float()) == float32_packs
     assert not cpu_gemm.packing_available(weight.half())
+
+
+@pytest.mark.skipif(not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("preferred", [True, False])
+def test_float32_goes_to_panels_where_preferred_and_bfloat16_never(
+    preferred: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_gemm, "float32_panels_preferred", lambda: preferred)
+    packed = cpu_gemm.pack_weight(torch.ones(40, 24))
+    assert packed.panels == preferred and packed.out_features == 40
+    if preferred:
+        assert packed.data.shape == (3, 24, 16)  # 40 outputs in 3 panels of 16
+        assert torch.equal(packed.data[2, :, 8:], torch.zeros(24, 8))  # outputs 40..47 do not exist
+    if cpu_gemm.packing_available(torch.ones(1, dtype=torch.bfloat16)):
+        assert not cpu_gemm.pack_weight(torch.ones(40, 24, dtype=torch.bfloat16)).panels
+
+
+def float64_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A few ulps of the sum of magnitudes: the float32 error of an in-order product (F.linear's own
+    error on these cases is at most 2.3e-7 of it)."""
+    magnitudes = x.abs().double() @ weight.abs().double().T  # [rows, out]
+    return 1e-6 * (magnitudes if bias is None else magnitudes + bias.abs().double())
+
+
+@pytest.mark.skipif(not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 16, 80, 300])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_float32_panels_match_float64_and_do_not_depend_on_the_batch(rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(100, 72, generator=generator)  # [out, in]: 100 outputs, the last panel ragged
+    bias = torch.randn(100, generator=generator) if with_bias else None
+    wide = torch.randn(rows, 90, generator=generator)
+    x = wide[:, 5:77]  # [rows, 72]: rows 90 floats apart, read in place
+    panels = cpu_gemm.pack_panels(weight)  # [7, 72, 16]
+    out = torch.ops.tokenmill.f32_panel_linear(x, panels, bias, 100)  # [rows, 100]
+    reference = torch.nn.functional.linear(
+        x.double(), weight.double(), None if bias is None else bias.double()
+    )
+    assert out.dtype == torch.float32 and out.shape == (rows, 100)
+    assert bool(((out.double() - reference).abs() <= float64_bound(x, weight, bias)).all())
+    # Each output is one in-order sum: a row gives the same bits alone as in any batch.
+    for row in {0, rows // 2, rows - 1}:
+        alone = torch.ops.tokenmill.f32_panel_linear(x[row : row + 1], panels, bias, 100)  # [1, 100]
+        assert torch.equal(alone[0], out[row])
+
+
+@pytest.mark.skipif(not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA")
+def test_float32_panels_refuse_mismatched_shapes() -> None:
+    panels = cpu_gemm.pack_panels(torch.ones(40, 24))  # [3, 24, 16]
+    with pytest.raises(RuntimeError, match="x has 23 features, the panels 24"):
+        torch.ops.tokenmill.f32_panel_linear(torch.ones(2, 23), panels, None, 40)
+    with pytest.raises(RuntimeError, match="3 panels cannot hold 49 output features"):
+        torch.ops.tokenmill.f32_panel_linear(torch.ones(2, 24), panels, None, 49)
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        torch.ops.tokenmill.f32_panel_linear(torch.ones(2, 24), panels, torch.ones(41), 40)
+    assert torch.ops.tokenmill.f32_panel_linear(torch.ones(0, 24), panels, None, 40).shape == (0, 40)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
@@ -62,5 +120,4 @@ def test_packed_float32_linear_matches_f_linear(rows: int) -> None:
     reference = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     assert packed.dtype == torch.float32 and packed.shape == (rows, 96)
     # float32 products of 80 terms: a few ulps of the sum of magnitudes, as F.linear's own error.
-    bound = 1e-6 * (x.abs().double() @ weight.abs().double().T + bias.abs().double())
-    assert bool(((packed.double() - reference).abs() <= bound).all())
+    assert bool(((packed.double() - reference).abs() <= float64_bound(x, weight, bias)).all())

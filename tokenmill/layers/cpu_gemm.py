@@ -1,25 +1,46 @@
-"""Pre-packed matrix multiplication on CPUs (oneDNN), for decode-sized batches.
+"""Pre-packed matrix multiplication on CPUs: oneDNN's blocked layouts, and float32 panels for AVX2.
 
-``F.linear`` re-reads the weight in its plain layout on every call. oneDNN can reorder a weight once
-into the blocked layout its AMX / AVX-512 / AVX2 kernels consume. bfloat16: on a 2-core Xeon that
-makes the 64-256 row products of a decode step about 1.3-2x faster. float32: ``F.linear`` goes to
-MKL's sgemm, which on AMD CPUs runs far below the machine (a 2-core Zen 3, SmolLM2's 30 layers:
-166 ms at 16 rows, 348 at 64, 709 at 256), and oneDNN's AVX2 kernels take 81, 187 and 484 ms. Packed
-results differ from ``F.linear`` only by float rounding order (about 1e-6 relative in float32). The
-packed copy is kept beside the plain weight (embedding lookups, re-packing after weight updates
-and the other paths read it), so packed layers hold their weights twice.
+``F.linear`` re-reads the weight in its plain layout on every call. Packing reorders it once into
+the layout a kernel consumes. bfloat16 goes to oneDNN (AMX / AVX-512 kernels): on a 2-core Xeon
+that makes the 64-256 row products of a decode step about 1.3-2x faster. float32: ``F.linear`` goes
+to MKL's sgemm, which on AMD CPUs runs far below the machine (a 2-core Zen 3, SmolLM2's 30 layers:
+166 ms at 16 rows, 348 at 64, 709 at 256). On CPUs without AVX-512 (where ``--dtype auto`` is
+float32) the weight goes into 16-feature panels for ``csrc/f32_gemm_cpu.cpp`` (same Zen 3: 44 ms at
+16 rows, 146 at 80, 463 at 256, against oneDNN's 70, 155, 452, and 24 against 41 at one row); with
+AVX-512, or without the compiled kernels, to oneDNN's float32 layout. Packed results differ from
+``F.linear`` only by float rounding order (about 1e-6 relative in float32). The packed copy is kept
+beside the plain weight (embedding lookups, re-packing after weight updates and the other paths read
+it), so packed layers hold their weights twice.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for: a typical decode step.
 _PACK_BATCH_HINT = 128
+PANEL_WIDTH = 16  # output features per float32 panel (csrc/f32_gemm_cpu.cpp)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[out_features, in_features]`` reordered for one kernel: ``panels`` (float32,
+    ``[ceil(out / 16), in, 16]``, ``csrc/f32_gemm_cpu.cpp``) or else oneDNN's opaque layout."""
+
+    data: torch.Tensor
+    out_features: int
+    panels: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
 
 def cpu_computes_bfloat16() -> bool:
@@ -28,23 +49,58 @@ def cpu_computes_bfloat16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def float32_panels_available() -> bool:
+    """Whether the float32 panel kernel runs here: the CPU kernels built with AVX2 and FMA."""
+    from tokenmill.layers.cpu_kernels import load_error
+
+    return load_error() is None and bool(torch.ops.tokenmill.f32_panels_available())
+
+
+def float32_panels_preferred() -> bool:
+    """Whether float32 weights go into panels rather than oneDNN's layout: the panel kernel runs and
+    the CPU has no AVX-512 (the CPUs it was measured on; with AVX-512 oneDNN has wider kernels)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and float32_panels_available()
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def packing_available(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can use the packed path: a CPU tensor, a oneDNN build of torch, and either
-    float32 or bfloat16 on a CPU whose bfloat16 oneDNN kernels exist (AVX-512 BW/VL/DQ or
+    """Whether ``weight`` can use the packed path: a CPU tensor, and float32 (panels or oneDNN) or
+    bfloat16 on a oneDNN build whose bfloat16 kernels exist on this CPU (AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT; on a plain AVX2 machine oneDNN refuses to reorder a bfloat16 weight, so such
     layers keep ``F.linear``)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu":
         return False
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
+    if weight.dtype == torch.float32:
+        return _onednn_available() or float32_panels_available()
+    return weight.dtype == torch.bfloat16 and _onednn_available() and cpu_computes_bfloat16()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight ``[out_features, in_features]`` reordered for :func:`packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` float32 as panels ``[ceil(out / 16), in, 16]``: panel ``p`` holds outputs
+    ``16p .. 16p + 15`` (zeros past ``out``), the 16 weights of each input feature side by side."""
+    out_features, in_features = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -out_features % PANEL_WIDTH))  # [num_panels * 16, in]
+    return padded.view(-1, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()  # [num_panels, in, 16]
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """The weight ``[out_features, in_features]`` reordered for :func:`packed_linear` (see
+    :func:`packing_available`)."""
+    out_features = weight.shape[0]
+    if weight.dtype == torch.float32 and (float32_panels_preferred() or not _onednn_available()):
+        return PackedWeight(pack_panels(weight), out_features, panels=True)
+    return PackedWeight(
+        torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT), out_features, False
+    )
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` with a weight from :func:`pack_weight`; ``x`` is ``[rows, in_features]``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [rows, out_features]
+    if packed.panels:
+        x = x if x.stride(1) == 1 else x.contiguous()  # the kernel reads rows in place
+        return torch.ops.tokenmill.f32_panel_linear(x, packed.data, bias, packed.out_features)  # [rows, out]
+    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")  # [rows, out_features]

@@ -1,7 +1,7 @@
 """Builds, caches and loads the C++ CPU kernels (``tokenmill/csrc``): paged decode attention and the
 KV write (used by ``layers/attention/cpu_paged.py``), the fused norm / rotary / activation /
-argmax ops that ``tokenmill.layers.fused_cpu`` dispatches to, and the int4 linear layer of
-``tokenmill.layers.int4``.
+argmax ops that ``tokenmill.layers.fused_cpu`` dispatches to, the int4 linear layer of
+``tokenmill.layers.int4`` and the float32 panel linear of ``tokenmill.layers.cpu_gemm``.
 
 The kernels are compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
 (``-march=native``), into ``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the
@@ -32,6 +32,7 @@ SOURCES = [
     CSRC / "decoder_layer_cpu.cpp",
     CSRC / "q8_gemm_cpu.cpp",
     CSRC / "prefill_attention_cpu.cpp",
+    CSRC / "f32_gemm_cpu.cpp",
 ]
 HEADERS = [
     CSRC / "vec16.h",

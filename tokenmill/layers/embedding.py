@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
@@ -41,7 +41,7 @@ class LMHead(nn.Module):
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
         self.int8_weight: torch.Tensor | None = None
         self.int8_scales: torch.Tensor | None = None
         self.dequantized_weight: torch.Tensor | None = None

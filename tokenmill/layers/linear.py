@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.cpu_gemm import pack_weight, packed_linear, packing_available
+from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 
@@ -51,7 +51,7 @@ class LinearBase(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
         self.int8_weight: torch.Tensor | None = None  # [out_features, in_features] int8
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None

@@ -24,31 +24,46 @@ def _kernels() -> None:
     assert fused_cpu.applies_to(torch.zeros(1, dtype=BF16))
 
 
-def test_applies_only_to_bfloat16_cpu() -> None:
+def test_applies_to_bfloat16_and_float32_cpu_tensors_only() -> None:
     assert fused_cpu.applies_to(torch.zeros(2, dtype=BF16))
-    assert not fused_cpu.applies_to(torch.zeros(2, dtype=torch.float32))
+    assert fused_cpu.applies_to(torch.zeros(2, dtype=torch.float32))
+    assert not fused_cpu.applies_to(torch.zeros(2, dtype=torch.float16))
+    assert not fused_cpu.applies_to(torch.zeros(2, dtype=torch.float32, device="meta"))
 
 
 def _llama_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * _rms_normalize(x, eps).to(x.dtype)
 
 
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16: the same bits as the unfused ops (the same rounding steps). float32: within a few ulps
+    (the RMS sums and the vector exp run in another order than torch's)."""
+    if got.dtype == BF16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 70])
-def test_rms_norm_matches_unfused(rows: int) -> None:
-    x = torch.randn(rows, 576, dtype=BF16) * 3
-    weight = torch.randn(576, dtype=BF16)
-    assert torch.equal(fused_cpu.rms_norm(x, weight, 1e-5), _llama_norm(x, weight, 1e-5))
+def test_rms_norm_matches_unfused(rows: int, dtype: torch.dtype) -> None:
+    x = torch.randn(rows, 576, dtype=dtype) * 3
+    weight = torch.randn(576, dtype=dtype)
+    assert_same(fused_cpu.rms_norm(x, weight, 1e-5), _llama_norm(x, weight, 1e-5))
 
 
-def test_add_rms_norm_is_in_place_and_matches_unfused() -> None:
-    x = torch.randn(9, 576, dtype=BF16)
-    residual = torch.randn(9, 576, dtype=BF16)
-    weight = torch.randn(576, dtype=BF16)
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_add_rms_norm_is_in_place_and_matches_unfused(dtype: torch.dtype) -> None:
+    x = torch.randn(9, 576, dtype=dtype)
+    residual = torch.randn(9, 576, dtype=dtype)
+    weight = torch.randn(576, dtype=dtype)
     summed = residual + x
     expected = _llama_norm(summed, weight, 1e-6)
-    normed, new_residual = fused_cpu.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    x_in, residual_in = x.clone(), residual.clone()
+    normed, new_residual = fused_cpu.add_rms_norm(x_in, residual_in, weight, 1e-6)
+    assert normed.data_ptr() == x_in.data_ptr() and new_residual.data_ptr() == residual_in.data_ptr()
     assert torch.equal(new_residual, summed)
-    assert torch.equal(normed, expected)
+    assert_same(normed, expected)
 
 
 def test_rmsnorm_module_uses_the_same_numbers_on_both_paths() -> None:
@@ -62,11 +77,12 @@ def test_rmsnorm_module_uses_the_same_numbers_on_both_paths() -> None:
     assert torch.equal(normed, norm._norm(expected_sum))
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("size", [1536, 70])  # 70: a partial last vector
-def test_silu_and_mul_matches_unfused(size: int) -> None:
-    gate_up = torch.randn(13, 2 * size, dtype=BF16) * 4
+def test_silu_and_mul_matches_unfused(size: int, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(13, 2 * size, dtype=dtype) * 4
     expected = F.silu(gate_up[:, :size]) * gate_up[:, size:]
-    assert torch.equal(fused_cpu.silu_and_mul(gate_up), expected)
+    assert_same(fused_cpu.silu_and_mul(gate_up), expected)
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
@@ -86,11 +102,12 @@ def test_rms_norm_of_a_width_with_a_partial_last_vector_matches_unfused() -> Non
     assert torch.equal(fused_cpu.rms_norm(x, weight, 1e-5), _llama_norm(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_rotary_in_place_matches_unfused_on_fused_qkv_views(rotary_dim: int) -> None:
+def test_rotary_in_place_matches_unfused_on_fused_qkv_views(rotary_dim: int, dtype: torch.dtype) -> None:
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     rotary = RotaryEmbedding(64, rotary_dim, inv_freq, 4096)
-    qkv = torch.randn(37, (9 + 3 + 3) * 64, dtype=BF16)  # [tokens, q | k | v]
+    qkv = torch.randn(37, (9 + 3 + 3) * 64, dtype=dtype)  # [tokens, q | k | v]
     positions = torch.randint(0, 4096, (37,))
     query = qkv[:, : 9 * 64].view(37, 9, 64)
     key = qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
@@ -99,8 +116,8 @@ def test_rotary_in_place_matches_unfused_on_fused_qkv_views(rotary_dim: int) -> 
     value_before = qkv[:, 12 * 64 :].clone()
     got_q, got_k = rotary(positions, query, key)
     assert got_q.data_ptr() == query.data_ptr()  # rotated in place
-    assert torch.equal(got_q, expected_q)
-    assert torch.equal(got_k, expected_k)
+    assert_same(got_q, expected_q)
+    assert_same(got_k, expected_k)
     assert torch.equal(qkv[:, 12 * 64 :], value_before)
 
 

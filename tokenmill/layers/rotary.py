@@ -124,8 +124,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate `query` [num_tokens, num_heads, head_dim] and `key` [num_tokens, num_kv_heads, head_dim]
         (the flat `[num_tokens, heads * head_dim]` form is accepted too) by `positions` [num_tokens].
 
-        Returns tensors of the inputs' shapes and dtypes: new ones, except on the fused bfloat16 CPU path,
-        which rotates `query` and `key` in place and returns them. Positions must be below `max_position`,
+        Returns tensors of the inputs' shapes and dtypes: new ones, except on the fused CPU path (bfloat16
+        and float32, `fused_cpu.applies_to`), which rotates `query` and `key` in place and returns them. Positions must be below `max_position`,
         except with dynamic scaling, which computes long-sequence frequencies on the fly.
 
         `seq_lens` [num_tokens] is read only by dynamic NTK scaling: `seq_lens[t]` is the total length of

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vec16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TOKENMILL_F32_PANELS 1
@@ -46,10 +48,7 @@ void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t in
   for (int64_t i = 0; i < in_features; ++i) {
     const __m256 w0 = _mm256_loadu_ps(panel + i * kPanelWidth);
     const __m256 w1 = _mm256_loadu_ps(panel + i * kPanelWidth + 8);
-    if (prefetch != nullptr) {
-      // An asm prefetch: GCC's dead-code elimination may drop __builtin_prefetch in such loops.
-      asm volatile("prefetcht1 %0" : : "m"(*(prefetch + i * kPanelWidth)));
-    }
+    if (prefetch != nullptr) vec::prefetch_l2(prefetch + i * kPanelWidth);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + i);

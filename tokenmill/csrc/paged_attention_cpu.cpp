@@ -142,17 +142,6 @@ struct Chunk {
   int64_t k_prefetch_from, v_prefetch_from, prefetch_bytes;  // the byte range of a row this item reads
 };
 
-// A read prefetch of the cache line at p into L2. Written as an instruction: GCC 12 at -O2/-O3 drops
-// every __builtin_prefetch of prefetch_next below in this file (its tree dead-code elimination; seen
-// in the disassembly, where no read prefetch was left), and an asm statement is never dropped.
-inline void prefetch_l2(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
 // Asks for row i of the next chunk while row i of this one is computed. Blocks are scattered through
 // the pool, so the hardware prefetcher cannot guess them; spreading the requests over the compute
 // (rather than issuing a burst) keeps the core busy while they are served. Into L2, which can track

@@ -14,6 +14,9 @@ from tokenmill.worker import model_runner
 from tokenmill.worker.model_runner import resolve_dtype
 
 CPU = torch.device("cpu")
+needs_panels = pytest.mark.skipif(
+    not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA"
+)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -54,7 +57,7 @@ def test_weights_are_packed_only_where_a_kernel_exists_for_their_dtype(
     assert not cpu_gemm.packing_available(weight.half())
 
 
-@pytest.mark.skipif(not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA")
+@needs_panels
 @pytest.mark.parametrize("preferred", [True, False])
 def test_float32_goes_to_panels_where_preferred_and_bfloat16_never(
     preferred: bool, monkeypatch: pytest.MonkeyPatch
@@ -76,7 +79,7 @@ def float64_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return 1e-6 * (magnitudes if bias is None else magnitudes + bias.abs().double())
 
 
-@pytest.mark.skipif(not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA")
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 16, 80, 300])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_float32_panels_match_float64_and_do_not_depend_on_the_batch(rows: int, with_bias: bool) -> None:
@@ -98,7 +101,7 @@ def test_float32_panels_match_float64_and_do_not_depend_on_the_batch(rows: int, 
         assert torch.equal(alone[0], out[row])
 
 
-@pytest.mark.skipif(not cpu_gemm.float32_panels_available(), reason="the panel kernel needs AVX2 and FMA")
+@needs_panels
 def test_float32_panels_refuse_mismatched_shapes() -> None:
     panels = cpu_gemm.pack_panels(torch.ones(40, 24))  # [3, 24, 16]
     with pytest.raises(RuntimeError, match="x has 23 features, the panels 24"):

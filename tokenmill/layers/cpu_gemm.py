@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.cpu_kernels import load_error
+
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for: a typical decode step.
@@ -52,8 +54,6 @@ def cpu_computes_bfloat16() -> bool:
 @functools.cache
 def float32_panels_available() -> bool:
     """Whether the float32 panel kernel runs here: the CPU kernels built with AVX2 and FMA."""
-    from tokenmill.layers.cpu_kernels import load_error
-
     return load_error() is None and bool(torch.ops.tokenmill.f32_panels_available())
 
 

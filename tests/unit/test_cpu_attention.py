@@ -507,6 +507,27 @@ def shared_prefix_step(
     return query, kv_cache, block_tables, torch.tensor(lens)
 
 
+def expected_decode(
+    query: torch.Tensor,  # [heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+    table: torch.Tensor,  # [blocks]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [heads, head_dim]
+    """One sequence's decode attention in float32 SDPA, its keys gathered through its block table."""
+    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]  # [n]
+    keys = kv_cache[0].flatten(0, 1)[slots].float().transpose(0, 1)  # [kv_heads, n, head_dim]
+    values = kv_cache[1].flatten(0, 1)[slots].float().transpose(0, 1)
+    per_kv = query.shape[0] // kv_heads
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.float()[:, None, :],  # [heads, 1, head_dim]
+        keys.repeat_interleave(per_kv, dim=0),  # [heads, n, head_dim]
+        values.repeat_interleave(per_kv, dim=0),
+        scale=scale,
+    )[:, 0]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sequences_sharing_prefix_blocks_read_them_together_with_the_same_result(
@@ -530,17 +551,43 @@ def test_sequences_sharing_prefix_blocks_read_them_together_with_the_same_result
     finally:
         torch.set_num_threads(previous)
     for s in range(len(lens)):
-        n = int(lens[s])
-        table = tables[s, : -(-n // 16)]
-        slots = (table[:, None] * 16 + torch.arange(16)).flatten()[:n]  # [n]
-        keys = kv_cache[0].flatten(0, 1)[slots].float()  # [n, kv_heads, head_dim]
-        values = kv_cache[1].flatten(0, 1)[slots].float()
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            query[s].float()[:, None, :],  # [heads, 1, head_dim]
-            keys.transpose(0, 1).repeat_interleave(3, dim=0),  # [heads, n, head_dim]
-            values.transpose(0, 1).repeat_interleave(3, dim=0),
-            scale=0.125,
-        )[:, 0]  # [heads, head_dim]
+        expected = expected_decode(query[s], kv_cache, tables[s], int(lens[s]), 0.125)  # [heads, head_dim]
+        torch.testing.assert_close(together[s].float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_large_group_gives_each_sequence_its_own_result(dtype: torch.dtype, head_dim: int) -> None:
+    """Sixteen sequences over one shared prefix (one group, attended per KV head over two threads)
+    and a few own positions each: every sequence's output is bitwise what it is alone and on one
+    thread, and matches SDPA, for head sizes with and without compiled-in code (64, 128; 40)."""
+    rng = random.Random(3)
+    block_size, kv_heads, heads, prefix_blocks = 16, 3, 9, 9
+    pool = list(range(400))
+    rng.shuffle(pool)
+    prefix = [pool.pop() for _ in range(prefix_blocks)]
+    lens = [prefix_blocks * block_size + rng.randrange(1, 40) for _ in range(16)]
+    tables = torch.tensor([prefix + [pool.pop() for _ in range(3)] for _ in lens])  # [16, 12]
+    generator = torch.Generator().manual_seed(4)
+    kv_cache = torch.randn(2, 400, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    query = torch.randn(len(lens), heads, head_dim, generator=generator).to(dtype)
+    seq_lens = torch.tensor(lens)
+
+    def call(rows: list[int], threads: int) -> torch.Tensor:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return cpu_kernels.paged_attention_decode(
+                query[rows], kv_cache[0], kv_cache[1], tables[rows], seq_lens[rows], head_dim**-0.5
+            )  # [len(rows), heads, head_dim]
+        finally:
+            torch.set_num_threads(previous)
+
+    together = call(list(range(len(lens))), threads=2)
+    assert torch.equal(together, call(list(range(len(lens))), threads=1))
+    for s in range(len(lens)):
+        assert torch.equal(call([s], threads=1), together[s : s + 1]), f"sequence {s} differs when grouped"
+        expected = expected_decode(query[s], kv_cache, tables[s], lens[s], head_dim**-0.5)
         torch.testing.assert_close(together[s].float(), expected, atol=ATOL[dtype], rtol=0)
 
 

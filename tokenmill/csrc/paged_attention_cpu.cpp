@@ -591,11 +591,29 @@ std::vector<Item> plan_items(const Problem<scalar_t>& p, int64_t num_seqs, std::
   return items;
 }
 
+// Splits the largest groups in halves while there are fewer than two tasks a thread (a task is an
+// item and a KV head, or a whole item): one shared-prefix group of 16 sequences with 3 KV heads would
+// otherwise give two threads 3 equal tasks, so that one thread works for two tasks' time while the
+// other waits through the second. Each half reads the shared blocks again (from cache where they still
+// are); every member's arithmetic, and so its result, is unchanged.
+inline void split_groups(std::vector<Item>& items, int64_t kv_heads, int threads) {
+  while (static_cast<int64_t>(items.size()) * kv_heads < 2 * threads) {
+    const auto largest = std::max_element(items.begin(), items.end(),
+                                          [](const Item& a, const Item& b) { return a.count < b.count; });
+    if (largest == items.end() || largest->count < 2) return;
+    const int64_t half = largest->count / 2;
+    const Item second{largest->first + half, largest->count - half, largest->shared_len};
+    largest->count = half;
+    items.push_back(second);
+  }
+}
+
 template <int kChunks, typename scalar_t>
 void run(const Problem<scalar_t>& p, int64_t num_seqs) {
   const int threads = std::max(1, at::get_num_threads());  // torch.set_num_threads governs this kernel too
   std::vector<int64_t> order;
-  const std::vector<Item> items = plan_items(p, num_seqs, order);
+  std::vector<Item> items = plan_items(p, num_seqs, order);
+  split_groups(items, p.kv_heads, threads);
   int64_t max_members = 1;
   for (const Item& item : items) max_members = std::max(max_members, item.count);
   // Whole items when there are enough to share out (whole rows stream from memory); otherwise one task

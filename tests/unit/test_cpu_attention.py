@@ -200,7 +200,9 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_decodes(
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
 
-def test_a_longer_chunk_or_float32_keeps_the_reference_path() -> None:
+def test_a_longer_chunk_or_float32_does_not_attend_as_decodes() -> None:
+    """Rows as decodes serve short bfloat16 / float16 chunks only: a longer chunk, or a float32 one
+    (the reference's SDPA, or the float32 prefill kernel where built), attends group by group."""
     for dtype, chunk in ((torch.bfloat16, cpu_paged.SHORT_CHUNK_MAX_QUERIES + 1), (torch.float32, 4)):
         query, key, value, kv_cache, metadata = build_step(
             [9], ((0, chunk),), num_heads=2, num_kv_heads=2, head_dim=64, dtype=dtype
@@ -332,15 +334,17 @@ def test_tile_path_agrees_with_the_vector_path_and_the_reference(
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 def test_chunks_over_a_cached_prefix_take_the_prefill_kernel_and_match_the_reference(
-    num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 prompt chunks attend through the prefill kernel where the CPU has it: 66 tokens
-    over 1,024 positions, chunks ending inside and on block boundaries, beside decodes; chunks that
-    start their sequence, and chunks longer than the reference's per-sequence threshold. Outputs
-    equal the reference's to bfloat16 precision, and the new K/V are stored exactly. Under a
-    sliding window the reference serves the chunks."""
+    """Prompt chunks attend through the prefill kernel where the CPU has it for their dtype
+    (bfloat16: AVX512-BF16; float32: AVX2 without AVX-512): 66 tokens over 1,024 positions, chunks
+    ending inside and on block boundaries, beside decodes; chunks that start their sequence, and
+    chunks longer than the reference's per-sequence threshold. Outputs equal the reference's to the
+    dtype's precision, and the new K/V are stored exactly. Under a sliding window the reference
+    serves the chunks."""
     calls: list[tuple[int, int]] = []
     real = cpu_paged.paged_prefill_attention
 
@@ -348,28 +352,26 @@ def test_chunks_over_a_cached_prefix_take_the_prefill_kernel_and_match_the_refer
         calls.append((start, query.shape[0]))
         return real(query, key_cache, value_cache, block_table, start, scale)
 
-    taken = cpu_kernels.prefill_kernel_available()
+    taken = cpu_kernels.prefill_kernel_available(dtype)
 
     monkeypatch.setattr(cpu_paged, "paged_prefill_attention", spy)
     chunks = ((1024, 66), (16, 40), (31, 33), (5, 64))
     expected, actual, ref_cache, cpu_cache = run_both(
-        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17, 300], prompt_chunks=chunks
+        num_heads, num_kv_heads, head_dim, dtype, [17, 300], prompt_chunks=chunks
     )
     assert torch.equal(ref_cache, cpu_cache)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
     assert calls == (list(chunks) if taken else [])
     calls.clear()
     chunks = ((0, 40), (0, 300), (16, 280))
-    expected, actual, _, _ = run_both(
-        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=chunks
-    )
-    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    expected, actual, _, _ = run_both(num_heads, num_kv_heads, head_dim, dtype, [17], prompt_chunks=chunks)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
     assert calls == (list(chunks) if taken else [])
     calls.clear()
     expected, actual, _, _ = run_both(
-        num_heads, num_kv_heads, head_dim, torch.bfloat16, [17], prompt_chunks=((0, 40), (16, 40)), window=24
+        num_heads, num_kv_heads, head_dim, dtype, [17], prompt_chunks=((0, 40), (16, 40)), window=24
     )
-    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[torch.bfloat16], rtol=0)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
     assert calls == []
 
 
@@ -404,6 +406,79 @@ def test_prefill_kernel_checks_its_inputs() -> None:
         cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(1), 15, 0.1)
     with pytest.raises(RuntimeError, match="block id 9 outside the cache"):
         cpu_kernels.paged_prefill_attention(query, cache, cache, torch.tensor([9]), 3, 0.1)
+
+
+F32_PREFILL_CASES = [
+    # (tokens, start, heads, kv_heads, head_dim, block_size)
+    (66, 1024, 9, 3, 64, 16),  # a question over a shared prefix: 198 rows a KV head, 5 tasks
+    (1, 0, 9, 3, 64, 16),
+    (5, 3, 4, 4, 40, 8),  # a head_dim tail of 8 dimensions, 8-slot blocks
+    (130, 0, 8, 2, 128, 16),  # a whole prompt, causal from position 0
+    (49, 77, 6, 1, 256, 32),  # one KV head for six query heads, the largest head_dim
+]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "start", "heads", "kv_heads", "head_dim", "block_size"), F32_PREFILL_CASES
+)
+def test_float32_prefill_kernel_matches_float64_attention(
+    tokens: int, start: int, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """The float32 prefill kernel (AVX2 builds) against causal attention in float64 over the same
+    scattered blocks; each row's result is the same bits whatever chunk it is computed in."""
+    generator = torch.Generator().manual_seed(tokens)
+    num_blocks = 200
+    table = torch.randperm(num_blocks, generator=generator)[: -(-(start + tokens) // block_size)]
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    query = torch.randn(tokens, heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    if not cpu_kernels.prefill_kernel_available(torch.float32):
+        with pytest.raises(RuntimeError, match="needs a build for AVX2 and FMA without AVX-512"):
+            cpu_kernels.paged_prefill_attention(query, key_cache, value_cache, table, start, scale)
+        return
+    got = cpu_kernels.paged_prefill_attention(query, key_cache, value_cache, table, start, scale)
+    total = start + tokens
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:total]  # [total]
+    keys = key_cache.flatten(0, 1)[slots].transpose(0, 1).double()  # [kv_heads, total, head_dim]
+    values = value_cache.flatten(0, 1)[slots].transpose(0, 1).double()
+    visible = torch.arange(total)[None, :] <= start + torch.arange(tokens)[:, None]  # [tokens, total]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).double(),  # [heads, tokens, head_dim]
+        keys.repeat_interleave(heads // kv_heads, dim=0),
+        values.repeat_interleave(heads // kv_heads, dim=0),
+        attn_mask=visible,
+        scale=scale,
+    ).transpose(0, 1)  # [tokens, heads, head_dim]
+    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=0)
+    last = tokens - 1  # the chunk's last token alone, as a chunk of one at its position
+    alone = cpu_kernels.paged_prefill_attention(
+        query[last:], key_cache, value_cache, table, start + last, scale
+    )
+    assert torch.equal(alone, got[last:])
+
+
+def test_float32_prefill_kernel_checks_its_inputs() -> None:
+    query, cache = torch.zeros(2, 4, 64), torch.zeros(4, 16, 2, 64)
+    if not cpu_kernels.prefill_kernel_available(torch.float32):
+        with pytest.raises(RuntimeError, match="needs a build for AVX2 and FMA without AVX-512"):
+            cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(4), 3, 0.125)
+        return
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8 up to 256, got 36"):
+        cpu_kernels.paged_prefill_attention(
+            query[..., :36].contiguous(),
+            cache[..., :36].contiguous(),
+            cache[..., :36].contiguous(),
+            torch.arange(4),
+            3,
+            0.1,
+        )
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(1), 15, 0.1)
+    with pytest.raises(RuntimeError, match="block id 9 outside the cache"):
+        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.tensor([9]), 3, 0.1)
+    with pytest.raises(RuntimeError, match="start must be >= 0, got -1"):
+        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(4), -1, 0.1)
 
 
 @pytest.mark.parametrize("num_new", [37, 2, 1])  # row tiles of 16 (the last padded), 6 and 3 query rows

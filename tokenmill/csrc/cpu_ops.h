@@ -1,7 +1,8 @@
 // The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
 // them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
 // fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear),
-// paged_attention_cpu.cpp (KV write, decode attention) and prefill_attention_cpu.cpp (prompt chunks).
+// paged_attention_cpu.cpp (KV write, decode attention), prefill_attention_cpu.cpp and
+// prefill_attention_f32_cpu.cpp (prompt chunks).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,5 +30,10 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
                                   int64_t window);
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& block_table, int64_t start, double scale);
+// Whether the float32 prompt-chunk attention (prefill_attention_f32_cpu.cpp) is built: AVX2 without AVX-512.
+bool prefill_attention_f32_available();
+at::Tensor paged_prefill_attention_f32(const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& block_table, int64_t start,
+                                       double scale);
 
 }  // namespace tokenmill::ops

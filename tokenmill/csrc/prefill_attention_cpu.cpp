@@ -352,6 +352,8 @@ void attend_all(const Problem& p, bool amx) {
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                    const at::Tensor& value_cache, const at::Tensor& block_table, int64_t start,
                                    double scale, bool tiles) {
+  if (query.scalar_type() == at::kFloat)  // prefill_attention_f32_cpu.cpp (AVX2 builds)
+    return ops::paged_prefill_attention_f32(query, key_cache, value_cache, block_table, start, scale);
   TORCH_CHECK(prefill_available(), "paged_prefill_attention needs a CPU with AVX512-BF16 (or AMX)");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1,
               "query must be bfloat16 [T, num_heads, head_dim] with head_dim contiguous");

@@ -32,6 +32,7 @@ SOURCES = [
     CSRC / "decoder_layer_cpu.cpp",
     CSRC / "q8_gemm_cpu.cpp",
     CSRC / "prefill_attention_cpu.cpp",
+    CSRC / "prefill_attention_f32_cpu.cpp",
     CSRC / "f32_gemm_cpu.cpp",
 ]
 HEADERS = [
@@ -154,9 +155,9 @@ def paged_attention_decode(
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,  # [T, num_heads, head_dim] bfloat16
-    key_cache: torch.Tensor,  # [num_blocks, 16, kv_heads, head_dim] bfloat16, contiguous
-    value_cache: torch.Tensor,  # [num_blocks, 16, kv_heads, head_dim] bfloat16, contiguous
+    query: torch.Tensor,  # [T, num_heads, head_dim] bfloat16 or float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] query's dtype, contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] query's dtype, contiguous
     block_table: torch.Tensor,  # [max_blocks] int64: one sequence's blocks
     start: int,
     scale: float,
@@ -164,11 +165,12 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """One sequence's chunk of ``T`` new tokens at positions ``start .. start + T - 1`` attending to its
     cached keys/values (this step's already stored), causally: token ``t`` sees positions
-    ``[0, start + t]``. Reads the cache blocks in place (``csrc/prefill_attention_cpu.cpp``): AMX tile
-    products where :func:`attention_tiles_available` and ``tiles``, else the same products on
-    AVX512-BF16 vectors. bfloat16, 16-slot blocks, head_dim 64 or 128, and
-    :func:`prefill_kernel_available` only. Returns ``[T, num_heads, head_dim]`` bfloat16;
-    RuntimeError otherwise."""
+    ``[0, start + t]``. Reads the cache blocks in place. bfloat16 (``csrc/prefill_attention_cpu.cpp``):
+    AMX tile products where :func:`attention_tiles_available` and ``tiles``, else the same products on
+    AVX512-BF16 vectors; 16-slot blocks, head_dim 64 or 128. float32
+    (``csrc/prefill_attention_f32_cpu.cpp``, ``tiles`` unused): AVX2 vectors, any block size, head_dim
+    a multiple of 8 up to 256. Only where :func:`prefill_kernel_available` for the dtype. Returns
+    ``[T, num_heads, head_dim]`` in the query's dtype; RuntimeError otherwise."""
     _op()  # builds the kernels, or raises
     return torch.ops.tokenmill.paged_prefill_attention(
         query, key_cache, value_cache, block_table, start, scale, tiles
@@ -183,10 +185,15 @@ def attention_tiles_available() -> bool:
 
 
 @functools.cache
-def prefill_kernel_available() -> bool:
-    """Whether :func:`paged_prefill_attention` runs here: the kernels built for a CPU with AVX512-BF16
-    (AMX tiles are used on top where granted)."""
-    return load_error() is None and bool(torch.ops.tokenmill.prefill_attention_available())
+def prefill_kernel_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`paged_prefill_attention` runs here for ``dtype``: bfloat16 on CPUs with
+    AVX512-BF16 (AMX tiles on top where granted), float32 on CPUs with AVX2 and FMA but no AVX-512
+    (``csrc/prefill_attention_f32_cpu.cpp``); no other dtype."""
+    if load_error() is not None:
+        return False
+    if dtype == torch.float32:
+        return bool(torch.ops.tokenmill.prefill_attention_f32_available())
+    return dtype == torch.bfloat16 and bool(torch.ops.tokenmill.prefill_attention_available())
 
 
 def write_kv(

@@ -23,7 +23,7 @@
 // head's query heads, token-major. The keys are transposed once per call into float32 [step][dim][64
 // positions], so that per 64 positions the scores of a tile of six rows come from one pass over them
 // with positions in the vector lanes (S = Q K^T, twelve accumulators); the values are read in place
-// from the cache rows (O += P V, tiles of six rows and sixteen dimensions). A task is a KV head and 48
+// from the cache rows (O += P V, tiles of four rows and sixteen dimensions). A task is a KV head and 48
 // rows; it stops at the last position its last row attends, and positions past a row's own limit get
 // probability 0. The online softmax runs per row in float32 with the vector exp of vec16.h. Each score
 // is one in-order sum over the head's dimensions and each output one in-order sum over the positions,

@@ -393,11 +393,19 @@ def test_prefill_kernel_checks_its_inputs() -> None:
         cpu_kernels.paged_prefill_attention(
             query, cache[:, :8].contiguous(), cache[:, :8].contiguous(), torch.arange(4), 3, 0.1
         )
-    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128, got 32"):
+    assert_prefill_kernel_rejects(query, cache, 32, "head_dim must be 64 or 128, got 32")
+
+
+def assert_prefill_kernel_rejects(
+    query: torch.Tensor, cache: torch.Tensor, bad_dim: int, dim_message: str
+) -> None:
+    """The prefill kernel's errors for a head_dim it does not take (the first ``bad_dim`` dimensions),
+    a chunk past its block table, and a block id outside the cache."""
+    with pytest.raises(RuntimeError, match=dim_message):
         cpu_kernels.paged_prefill_attention(
-            query[..., :32].contiguous(),
-            cache[..., :32].contiguous(),
-            cache[..., :32].contiguous(),
+            query[..., :bad_dim].contiguous(),
+            cache[..., :bad_dim].contiguous(),
+            cache[..., :bad_dim].contiguous(),
             torch.arange(4),
             3,
             0.1,
@@ -464,19 +472,7 @@ def test_float32_prefill_kernel_checks_its_inputs() -> None:
         with pytest.raises(RuntimeError, match="needs a build for AVX2 and FMA without AVX-512"):
             cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(4), 3, 0.125)
         return
-    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8 up to 256, got 36"):
-        cpu_kernels.paged_prefill_attention(
-            query[..., :36].contiguous(),
-            cache[..., :36].contiguous(),
-            cache[..., :36].contiguous(),
-            torch.arange(4),
-            3,
-            0.1,
-        )
-    with pytest.raises(RuntimeError, match="exceeds the block table"):
-        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(1), 15, 0.1)
-    with pytest.raises(RuntimeError, match="block id 9 outside the cache"):
-        cpu_kernels.paged_prefill_attention(query, cache, cache, torch.tensor([9]), 3, 0.1)
+    assert_prefill_kernel_rejects(query, cache, 36, "head_dim must be a multiple of 8 up to 256, got 36")
     with pytest.raises(RuntimeError, match="start must be >= 0, got -1"):
         cpu_kernels.paged_prefill_attention(query, cache, cache, torch.arange(4), -1, 0.1)
 

@@ -42,6 +42,7 @@
 
 #include "vec16.h"
 #include "cpu_ops.h"
+#include "online_softmax.h"
 
 #if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_ATTENTION_AMX 1
@@ -364,25 +365,8 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
     score_chunk<NG, kChunks>(p, s, c, kv * p.k_stride_head, h0, prefetch);
 
   float alpha[NG];
-  for (int g = 0; g < NG; ++g) {
-    float* row = s.scores[g];
-    Vec best = splat(kNegInf);
-    for (int64_t i = 0; i < n; i += kLanes)
-      best = max(best, load_or(row + i, static_cast<int>(n - i), kNegInf));
-    const float old_max = s.row_max[s.base + h0 + g];
-    const float new_max = std::max(old_max, reduce_max(best));
-    alpha[g] = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-    Vec sum = zero();
-    for (int64_t i = 0; i < n; i += kLanes) {
-      const int lanes = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-      // Lanes past n were loaded as 0 and became exp(-max): keep them out of the sum.
-      Vec prob = keep(exp(sub(load(row + i, lanes), splat(new_max))), lanes);
-      store(row + i, prob, lanes);
-      sum = add(sum, prob);
-    }
-    s.row_max[s.base + h0 + g] = new_max;
-    s.row_sum[s.base + h0 + g] = s.row_sum[s.base + h0 + g] * alpha[g] + reduce_add(sum);
-  }
+  for (int g = 0; g < NG; ++g)
+    alpha[g] = online_softmax_step(s.scores[g], n, n, s.row_max[s.base + h0 + g], s.row_sum[s.base + h0 + g]);
 
 #ifdef TOKENMILL_ATTENTION_AMX
   if constexpr (kTilesFit) {

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "online_softmax.h"
 #include "vec16.h"
 
 #ifdef TOKENMILL_AVX2
@@ -218,8 +219,7 @@ void for_each_tile(int64_t count, Tile tile) {
 }
 
 // The online-softmax step of row r over the step's first n positions, of which it attends the first
-// `valid`: probabilities exp(score - new max) there, 0 after; the running max and sum updated and the
-// factor for the earlier accumulation kept in rows.alpha[r].
+// `valid` (none: probabilities 0 and the accumulation kept as it is).
 void softmax_row(Rows& rows, int64_t r, int64_t n, int64_t valid) {
   float* row = rows.probs + r * kStep;
   if (valid <= 0) {
@@ -227,21 +227,7 @@ void softmax_row(Rows& rows, int64_t r, int64_t n, int64_t valid) {
     rows.alpha[r] = 1.0f;
     return;
   }
-  Vec best = splat(kNegInf);
-  for (int64_t i = 0; i < valid; i += kLanes) best = max(best, load_or(row + i, static_cast<int>(valid - i), kNegInf));
-  const float old_max = rows.max[r];
-  const float new_max = std::max(old_max, reduce_max(best));
-  rows.alpha[r] = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-  Vec sum = zero();
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int lanes = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-    const int kept = static_cast<int>(std::clamp<int64_t>(valid - i, 0, kLanes));
-    const Vec prob = keep(exp(sub(load(row + i, lanes), splat(new_max))), kept);
-    store(row + i, prob, lanes);
-    sum = add(sum, prob);
-  }
-  rows.max[r] = new_max;
-  rows.sum[r] = rows.sum[r] * rows.alpha[r] + reduce_add(sum);
+  rows.alpha[r] = online_softmax_step(row, n, valid, rows.max[r], rows.sum[r]);
 }
 
 // Rows [row0, row0 + rows.count) of KV head kv (row R: token R / group, query head kv * group + R % group).

@@ -41,6 +41,7 @@ HEADERS = [
     CSRC / "group_gemm.h",
     CSRC / "amx_tiles.h",
     CSRC / "tile_layout.h",
+    CSRC / "online_softmax.h",
 ]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.

@@ -55,7 +55,7 @@ using namespace vec;
 constexpr int64_t kStep = 64;      // positions per online-softmax step
 constexpr int kScoreRows = 6;      // rows per score tile: 12 accumulators, 2 key vectors, a broadcast
 constexpr int kValueRows = 4;      // rows per value tile: 8 accumulators (GCC spills some of 12 there)
-constexpr int64_t kTaskRows = 48;  // rows per task: eight tiles
+constexpr int64_t kTaskRows = 48;  // rows per task: eight score tiles, twelve value tiles
 constexpr int64_t kMaxDim = 256;
 
 struct Problem {

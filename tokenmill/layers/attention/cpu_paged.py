@@ -8,8 +8,8 @@ chunk attends through ``paged_prefill_attention``, one call a chunk, reading the
 tile products where granted, else AVX512-BF16 vectors; faster than the reference's gather and SDPA
 at every length measured, and than running the chunk's rows as decodes from 4 tokens on); so do
 float32 chunks on CPUs with AVX2 and no AVX-512 (AVX2 vectors, 20-25% faster than the reference on a
-Zen 3). Elsewhere a step whose prompt chunks are all short (at most ``SHORT_CHUNK_MAX_QUERIES`` tokens), in bfloat16
-or float16, runs every row through the decode kernel as a decode of its own
+Zen 3). Elsewhere a step whose prompt chunks are all short (at most ``SHORT_CHUNK_MAX_QUERIES``
+tokens), in bfloat16 or float16, runs every row through the decode kernel as a decode of its own
 (``AttentionMetadata.rows_as_decodes``): the per-layer gather and SDPA call of a few-token chunk
 cost more than the attention itself. Longer chunks keep the reference's gather + SDPA.
 """

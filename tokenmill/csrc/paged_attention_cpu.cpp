@@ -595,17 +595,6 @@ inline void split_groups(std::vector<Item>& items, int64_t kv_heads, int threads
 template <int kChunks, typename scalar_t>
 void run(const Problem<scalar_t>& p, int64_t num_seqs) {
   const int threads = std::max(1, at::get_num_threads());  // torch.set_num_threads governs this kernel too
-  std::vector<int64_t> order;
-  std::vector<Item> items = plan_items(p, num_seqs, order);
-  split_groups(items, p.kv_heads, threads);
-  int64_t max_members = 1;
-  for (const Item& item : items) max_members = std::max(max_members, item.count);
-  // Whole items when there are enough to share out (whole rows stream from memory); otherwise one task
-  // per (item, KV head), so that a few long sequences still use every thread.
-  const int64_t num_items_whole = static_cast<int64_t>(items.size());
-  const int64_t kv_per_task = num_items_whole >= 4 * threads ? p.kv_heads : 1;
-  const int64_t tasks_per_item = p.kv_heads / kv_per_task;
-  const int64_t num_tasks = num_items_whole * tasks_per_item;
   // A small step (one short sequence: tens of microseconds of work) stays on the calling thread: a
   // second thread gains microseconds on idle cores, and costs a whole scheduler time slice at the
   // barrier when another process (the API server) holds a core.
@@ -615,8 +604,19 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
     kv_elements += 2 * len * p.kv_heads * p.head_dim;
   }
   constexpr int64_t kMinKvElementsToShare = int64_t{1} << 19;
-  const int num_threads =
-      kv_elements < kMinKvElementsToShare ? 1 : static_cast<int>(std::min<int64_t>(threads, num_tasks));
+  const bool shared = kv_elements >= kMinKvElementsToShare;
+  std::vector<int64_t> order;
+  std::vector<Item> items = plan_items(p, num_seqs, order);
+  if (shared) split_groups(items, p.kv_heads, threads);  // one thread: nothing to balance
+  int64_t max_members = 1;
+  for (const Item& item : items) max_members = std::max(max_members, item.count);
+  // Whole items when there are enough to share out (whole rows stream from memory); otherwise one task
+  // per (item, KV head), so that a few long sequences still use every thread.
+  const int64_t num_items_whole = static_cast<int64_t>(items.size());
+  const int64_t kv_per_task = num_items_whole >= 4 * threads ? p.kv_heads : 1;
+  const int64_t tasks_per_item = p.kv_heads / kv_per_task;
+  const int64_t num_tasks = num_items_whole * tasks_per_item;
+  const int num_threads = shared ? static_cast<int>(std::min<int64_t>(threads, num_tasks)) : 1;
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;

@@ -26,6 +26,8 @@ def env_int(name: str, default: int) -> int:
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 MODEL_IMPLS = ("auto", "native", "transformers")
+# The activation dtypes (--dtype) and KV cache element types (--kv-cache-dtype); auto: see each.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def attention_backend_choice() -> str:
@@ -108,12 +110,18 @@ class CacheConfig:
 
     ``kv_cache_memory`` is a byte budget (an int) or, when a float in (0, 1], the fraction of the
     machine's available memory to give to KV blocks. ``num_blocks`` overrides both (tests use it).
+    ``kv_cache_dtype`` is the cache's element type: ``auto`` (the model's dtype), ``float32``,
+    ``bfloat16`` or ``float16``. A 16-bit cache under a float32 model holds twice the tokens in the
+    same memory and halves the bytes attention reads; keys and values are rounded to it as they are
+    stored, and attention computes in float32 as before (opt-in: outputs then differ from a float32
+    cache's by that rounding).
     """
 
     block_size: int = 16
     kv_cache_memory: int | float = 0.25
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -237,8 +245,12 @@ class EngineConfig:
     jump_forward: bool = True
 
     def validate(self) -> None:
-        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.model.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
+        if self.cache.kv_cache_dtype not in DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.cache.kv_cache_dtype!r}"
+            )
         if self.model.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model.model_impl!r}")
         if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):

@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from tokenmill.config import (
+    DTYPE_CHOICES,
     MODEL_IMPLS,
     CacheConfig,
     ModelConfig,
@@ -106,9 +107,7 @@ def build_tiers(
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the model, KV-cache and scheduler option groups to ``parser``."""
     model = parser.add_argument_group("model")
-    model.add_argument(
-        "--dtype", default=ModelConfig.dtype, choices=["auto", "float32", "bfloat16", "float16"]
-    )
+    model.add_argument("--dtype", default=ModelConfig.dtype, choices=DTYPE_CHOICES)
     model.add_argument(
         "--max-model-len", type=int, default=None, help="context window (default: the model's)"
     )
@@ -141,6 +140,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)"
     )
     cache.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    cache.add_argument(
+        "--kv-cache-dtype",
+        default=CacheConfig.kv_cache_dtype,
+        choices=DTYPE_CHOICES,
+        help="the KV cache's element type (auto: the model's dtype); a 16-bit cache under a float32 "
+        "model holds twice the tokens and rounds keys and values to 16 bits",
+    )
     scheduler = parser.add_argument_group("scheduler")
     scheduler.add_argument(
         "--max-num-batched-tokens",
@@ -256,6 +262,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory,
         "num_blocks": args.num_blocks,
         "enable_prefix_caching": not args.no_prefix_cache,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,

@@ -6,6 +6,7 @@ the model runner's own ``_build_group``, so what is tested is what the engine fe
 
 from __future__ import annotations
 
+import argparse
 import logging
 import random
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import build_engine_config
+from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.layers import attention, cpu_kernels
 from tokenmill.layers.attention import cpu_paged, select_attention_backend, torch_ref
 from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
@@ -662,6 +665,86 @@ def test_one_large_group_gives_each_sequence_its_own_result(dtype: torch.dtype, 
         torch.testing.assert_close(together[s].float(), expected, atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float32_rows_over_a_16_bit_cache_get_what_a_float32_cache_of_its_values_gives(
+    cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 model with a 16-bit cache (``--kv-cache-dtype``): the new keys and values are stored
+    rounded as ``.to()`` rounds them, and decodes, a shared-prefix group and prompt chunks over a
+    cached prefix (the prefill kernel where the CPU has it for float32) attend through the kernels,
+    bitwise as over a float32 cache holding the same values, and within float32 precision of the
+    reference over the 16-bit cache."""
+    kernels: list[str] = []
+    real_prefill, real_decode = cpu_paged.paged_prefill_attention, cpu_paged.paged_attention_decode
+    monkeypatch.setattr(
+        cpu_paged, "paged_prefill_attention", lambda *a: kernels.append("prefill") or real_prefill(*a)
+    )
+    monkeypatch.setattr(
+        cpu_paged, "paged_attention_decode", lambda *a: kernels.append("decode") or real_decode(*a)
+    )
+    query, key, value, kv_cache, metadata = build_step(
+        [17, 300, 64], ((1024, 66), (16, 40)), num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32
+    )
+    narrow = kv_cache.to(cache_dtype)  # [2, num_blocks, block_size, kv_heads, head_dim]
+    wide = narrow.float()
+    backend = CpuPagedAttention(9, 3, 64, 0.125)
+    actual = backend.forward(query, key, value, narrow, metadata)  # [T, heads, head_dim] float32
+    kernel_calls = list(kernels)
+    same_values = backend.forward(
+        query, key.to(cache_dtype).float(), value.to(cache_dtype).float(), wide, metadata
+    )
+    assert actual.dtype == torch.float32 and torch.equal(actual, same_values)
+    assert torch.equal(narrow.float(), wide)
+    slots = metadata.slot_mapping
+    assert torch.equal(narrow[0].flatten(0, 1)[slots], key.to(cache_dtype))
+    assert torch.equal(narrow[1].flatten(0, 1)[slots], value.to(cache_dtype))
+    taken = cpu_kernels.prefill_kernel_available(torch.float32)
+    assert kernel_calls == (["decode", "prefill", "prefill"] if taken else ["decode"])
+    reference_cache = kv_cache.to(cache_dtype)
+    expected = TorchPagedAttention(9, 3, 64, 0.125).forward(query, key, value, reference_cache, metadata)
+    assert torch.equal(reference_cache, narrow)
+    torch.testing.assert_close(actual, expected, atol=ATOL[torch.float32], rtol=0)
+
+    query, grouped_cache, tables, lens = shared_prefix_step(torch.float32)
+    narrow = grouped_cache.to(cache_dtype)
+    grouped = cpu_kernels.paged_attention_decode(query, narrow[0], narrow[1], tables, lens, 0.125)
+    assert torch.equal(
+        grouped,
+        cpu_kernels.paged_attention_decode(query, narrow[0].float(), narrow[1].float(), tables, lens, 0.125),
+    )
+
+
+def test_float32_rows_round_into_a_16_bit_cache_as_to_rounds_them() -> None:
+    """write_kv narrows float32 rows to bfloat16 and float16 with ``.to()``'s rounding (ties to even,
+    overflow to infinity, NaN kept); the other mixes are refused with the dtypes named."""
+    tie = 1.0 + 2.0**-8  # halfway between two bfloat16 values
+    special = torch.tensor([tie, -tie, 1e-40, 65520.0, 3.0e38, float("inf"), float("nan"), -0.0])
+    rows = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(2))  # [T, kv_heads, head_dim]
+    rows[0, 0, :8] = special
+    slots = torch.tensor([11, 0, 7, 3, 12])
+    for cache_dtype in (torch.bfloat16, torch.float16):
+        cache = torch.zeros(2, 4, 4, 2, 16, dtype=cache_dtype)  # 16 slots
+        cpu_kernels.write_kv(rows, rows * 2, cache[0], cache[1], slots)
+        for stored, source in ((cache[0], rows), (cache[1], rows * 2)):
+            stored_rows, expected = stored.flatten(0, 1)[slots], source.to(cache_dtype)
+            assert torch.equal(stored_rows.isnan(), expected.isnan())
+            assert torch.equal(
+                stored_rows.nan_to_num(nan=7.0, posinf=8.0, neginf=9.0), expected.nan_to_num(7.0, 8.0, 9.0)
+            )
+        untouched = torch.ones(16, dtype=torch.bool)
+        untouched[slots] = False
+        assert not cache.flatten(1, 2)[:, untouched].any()
+    with pytest.raises(RuntimeError, match="got BFloat16 rows and a Half cache"):
+        cache = torch.zeros(2, 4, 4, 2, 16, dtype=torch.float16)
+        cpu_kernels.write_kv(rows.bfloat16(), rows.bfloat16(), cache[0], cache[1], slots)
+    with pytest.raises(RuntimeError, match="got BFloat16 and Float"):
+        cache = torch.zeros(2, 4, 4, 2, 16)
+        query = torch.randn(1, 2, 16).bfloat16()
+        cpu_kernels.paged_attention_decode(
+            query, cache[0], cache[1], torch.zeros(1, 1), torch.tensor([3]), 1.0
+        )
+
+
 def test_the_loaded_kernel_is_the_cached_build() -> None:
     """The cache key still names the folder the loaded library came from (it once changed after the
     build, because cpp_extension appends to the flag lists it is given)."""
@@ -734,6 +817,44 @@ def test_llm_greedy_tokens_are_the_same_with_both_backends(tiny_model, monkeypat
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["cpu"] == tokens["torch"]
     assert tokens["cpu"] == [model.greedy(p, 20) for p in prompts]
+
+
+def test_a_16_bit_cache_under_float32_holds_twice_the_tokens_and_keeps_the_tokens(  # type: ignore[no-untyped-def]
+    tiny_model, monkeypatch
+) -> None:
+    """``kv_cache_dtype="bfloat16"`` under a float32 model: the cache tensors are bfloat16, a byte
+    budget holds twice the blocks of a float32 cache, and greedy tokens are the same through the
+    kernels as through the reference over the same 16-bit cache; ``--kv-cache-dtype`` reaches it, and
+    an unknown type is refused with the choices named."""
+    model = tiny_model("llama")
+    rng = random.Random(6)
+    prompts = [[rng.randrange(5, 160) for _ in range(n)] for n in (2, 9, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens, blocks = {}, {}
+    for backend, cache_dtype in (("torch", "bfloat16"), ("cpu", "bfloat16"), ("cpu", "float32")):
+        monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", backend)
+        attention._select.cache_clear()
+        llm = LLM(
+            model.path, dtype="float32", block_size=4, kv_cache_memory=1 << 20, kv_cache_dtype=cache_dtype
+        )
+        runner = llm.engine.executor.runner
+        assert all(cache.dtype == getattr(torch, cache_dtype) for cache in runner.kv_caches)
+        blocks[cache_dtype] = runner.num_blocks
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[backend, cache_dtype] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["cpu", "bfloat16"] == tokens["torch", "bfloat16"]
+    assert tokens["cpu", "float32"] == [model.greedy(p, 24) for p in prompts]
+    assert blocks["bfloat16"] == 2 * blocks["float32"]
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config("m", **engine_kwargs(parser.parse_args([]))).cache.kv_cache_dtype == "auto"
+    args = parser.parse_args(["--kv-cache-dtype", "float16"])
+    assert build_engine_config("m", **engine_kwargs(args)).cache.kv_cache_dtype == "float16"
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"
+    ):
+        build_engine_config("m", kv_cache_dtype="fp8").validate()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,8 +3,9 @@
 //
 // Contract (tokenmill::paged_attention_decode):
 //   query        [S, num_heads, head_dim]                       float32 / bfloat16 / float16
-//   key_cache    [num_blocks, block_size, kv_heads, head_dim]   same dtype as query
-//   value_cache  [num_blocks, block_size, kv_heads, head_dim]   same dtype as query
+//   key_cache    [num_blocks, block_size, kv_heads, head_dim]   query's dtype, or bfloat16 / float16
+//                                                               for a float32 query (a 16-bit cache)
+//   value_cache  [num_blocks, block_size, kv_heads, head_dim]   key_cache's dtype
 //   block_tables [S, max_blocks] int32 or int64: the physical block of each logical block; every
 //                entry a sequence reaches must be a valid block id
 //   seq_lens     [S] int32 or int64: tokens in the cache for the sequence, the new one included
@@ -13,7 +14,9 @@
 //   returns      [S, num_heads, head_dim] in the query dtype:
 //                softmax(q . K^T * scale) . V over positions [max(0, seq_len - window), seq_len)
 //   Query head h reads KV head h / (num_heads / kv_heads). A sequence with nothing to attend to gets
-//   zeros. Accumulation is float32, with a streaming (online) softmax over chunks of 64 positions.
+//   zeros. Accumulation is float32, with a streaming (online) softmax over chunks of 64 positions. A
+//   float32 query over a 16-bit cache gets bitwise what it would over a float32 cache holding the same
+//   values (cache elements are widened to float32 as they are loaded).
 //
 // All query heads of a KV head are computed together, so every K/V row is loaded from memory once.
 // Sequences whose block tables start with the same blocks (a shared system prompt through the prefix
@@ -74,6 +77,10 @@ struct Problem {
   const int64_t* block_tables;
   const int64_t* seq_lens;
   scalar_t* out;
+  // A float32 query with a 16-bit cache: the query is read from query_f32 and the output written to
+  // out_f32 (query and out are null); otherwise both are null.
+  const float* query_f32;
+  float* out_f32;
   int64_t q_stride_seq, q_stride_head;
   int64_t k_stride_block, k_stride_slot, k_stride_head;
   int64_t v_stride_block, v_stride_slot, v_stride_head;
@@ -207,12 +214,14 @@ void score_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t
 #if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
 // bfloat16 keys: VDPBF16PS multiplies 32 bfloat16 pairs straight from the cache rows, accumulating in
 // float32 (a product of two bfloat16 is exact in float32), with no conversion of the keys. The queries
-// are read in bfloat16 from the query tensor.
+// are read in bfloat16 from the query tensor; float32 queries (over a bfloat16 cache) keep the float32
+// path above, so they are never rounded.
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1u); }
 
 template <int NG, int kChunks>
 void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, int64_t k_off, int64_t h0,
                  bool prefetch) {
+  if (p.query_f32 != nullptr) return score_chunk<NG, kChunks, c10::BFloat16>(p, s, c, k_off, h0, prefetch);
   constexpr int kPairSpan = 2;  // 2 x 32 = 64 dimensions per pass
   const int64_t n = c.n, chunks = kChunks > 0 ? kChunks / 2 : (p.head_dim + 31) / 32;
   const auto lanes = [&](int64_t c) { return kChunks > 0 ? int64_t{32} : p.head_dim - c * 32; };
@@ -423,10 +432,13 @@ struct Member {
 // Loads the queries of heads [h_begin, h_end) of `m.seq` and clears their softmax state.
 template <typename scalar_t>
 void init_state(const Problem<scalar_t>& p, Scratch& s, const Member& m, int64_t h_begin, int64_t h_end) {
-  const scalar_t* q_seq = p.query + m.seq * p.q_stride_seq;
   for (int64_t h = h_begin; h < h_end; ++h) {
     float* q = &s.q[(m.base + h) * p.padded_dim];
-    for (int64_t d = 0; d < p.head_dim; ++d) q[d] = static_cast<float>(q_seq[h * p.q_stride_head + d]);
+    const int64_t offset = m.seq * p.q_stride_seq + h * p.q_stride_head;
+    if (p.query_f32 != nullptr)
+      std::copy(p.query_f32 + offset, p.query_f32 + offset + p.head_dim, q);
+    else
+      for (int64_t d = 0; d < p.head_dim; ++d) q[d] = static_cast<float>(p.query[offset + d]);
     std::fill(&s.acc[(m.base + h) * p.padded_dim], &s.acc[(m.base + h + 1) * p.padded_dim], 0.0f);
     s.row_max[m.base + h] = kNegInf;
     s.row_sum[m.base + h] = 0.0f;
@@ -471,7 +483,7 @@ void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, 
                       prefetch_bytes};
     for (int64_t m = 0; m < num_members; ++m) {
       s.base = members[m].base;
-      s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(p.query + members[m].seq * p.q_stride_seq);
+      if (p.tiles) s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(p.query + members[m].seq * p.q_stride_seq);
       for (int64_t kv = kv0; kv < kv1; ++kv)
         for (int64_t g0 = 0; g0 < group; g0 += kHeadTile)
           attend_tile<kChunks>(p, s, chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),
@@ -486,9 +498,12 @@ template <typename scalar_t>
 void finish_state(const Problem<scalar_t>& p, const Scratch& s, const Member& m, int64_t h_begin, int64_t h_end) {
   for (int64_t h = h_begin; h < h_end; ++h) {
     const float inv = s.row_sum[m.base + h] > 0.0f ? 1.0f / s.row_sum[m.base + h] : 0.0f;
-    scalar_t* o = p.out + (m.seq * p.num_heads + h) * p.head_dim;
+    const int64_t offset = (m.seq * p.num_heads + h) * p.head_dim;
     const float* acc = &s.acc[(m.base + h) * p.padded_dim];
-    for (int64_t d = 0; d < p.head_dim; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
+    if (p.out_f32 != nullptr)
+      for (int64_t d = 0; d < p.head_dim; ++d) p.out_f32[offset + d] = acc[d] * inv;
+    else
+      for (int64_t d = 0; d < p.head_dim; ++d) p.out[offset + d] = static_cast<scalar_t>(acc[d] * inv);
   }
 }
 
@@ -659,9 +674,12 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_attention_decode runs on CPU tensors");
-  TORCH_CHECK(
-      key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-      "query and caches must share a dtype");
+  const bool float32_query = query.scalar_type() == at::kFloat && key_cache.scalar_type() != at::kFloat;
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
+                  (key_cache.scalar_type() == query.scalar_type() ||
+                   (float32_query && (key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf))),
+              "query and caches must share a dtype, or a float32 query read a bfloat16 or float16 cache; got ",
+              query.scalar_type(), " and ", key_cache.scalar_type());
   TORCH_CHECK(at::isIntegralType(block_tables.scalar_type(), false) &&
                   at::isIntegralType(seq_lens.scalar_type(), false),
               "block_tables and seq_lens must be integer tensors");
@@ -687,14 +705,19 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
   const int64_t longest = *std::max_element(len_values, len_values + num_seqs);  // no operator call
   TORCH_CHECK(longest <= tables.size(1) * key_cache.size(1), "a seq_len exceeds its block table");
 
-  AT_DISPATCH_SWITCH(query.scalar_type(), "paged_attention_decode", TOKENMILL_FLOAT_CASES([&] {
+  AT_DISPATCH_SWITCH(key_cache.scalar_type(), "paged_attention_decode", TOKENMILL_FLOAT_CASES([&] {
                        Problem<scalar_t> p{};
-                       p.query = query.data_ptr<scalar_t>();
+                       if (float32_query) {
+                         p.query_f32 = query.data_ptr<float>();
+                         p.out_f32 = out.data_ptr<float>();
+                       } else {
+                         p.query = query.data_ptr<scalar_t>();
+                         p.out = out.data_ptr<scalar_t>();
+                       }
                        p.key_cache = key_cache.data_ptr<scalar_t>();
                        p.value_cache = value_cache.data_ptr<scalar_t>();
                        p.block_tables = tables.data_ptr<int64_t>();
                        p.seq_lens = lens.data_ptr<int64_t>();
-                       p.out = out.data_ptr<scalar_t>();
                        p.q_stride_seq = query.stride(0);
                        p.q_stride_head = query.stride(1);
                        p.k_stride_block = key_cache.stride(0);
@@ -713,7 +736,8 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
                        p.padded_dim = p.chunks * kLanes;
                        p.scale = static_cast<float>(scale);
 #ifdef TOKENMILL_ATTENTION_AMX
-                       p.tiles = tiles && std::is_same_v<scalar_t, c10::BFloat16> && (head_dim == 64 || head_dim == 128) &&
+                       p.tiles = tiles && !float32_query && std::is_same_v<scalar_t, c10::BFloat16> &&
+                                 (head_dim == 64 || head_dim == 128) &&
                                  p.block_size == kTileRows && p.num_heads / p.kv_heads <= kTileRows &&
                                  ops::attention_tiles_available();
 #endif
@@ -729,11 +753,34 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 
 // Stores each token's key and value rows at its slot of the paged cache:
 //   key, value   [T, kv_heads, head_dim], each row (kv_heads * head_dim elements) contiguous
-//   key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim] contiguous, key's dtype
+//   key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim] contiguous, key's dtype, or
+//                bfloat16 / float16 for float32 rows (each element rounded to nearest, ties to even)
 //   slot_mapping [T] int64, every slot in [0, num_blocks * block_size)
-// Equivalent to index_copy_ into the caches viewed as [num_slots, kv_heads, head_dim]. The slots are
+// Equivalent to index_copy_ of the rows in the cache's dtype into the caches viewed as
+// [num_slots, kv_heads, head_dim]. The slots are
 // scattered over the pool and usually not in cache: every destination line is requested before any
 // row is written, so the misses overlap instead of each copy waiting for its own.
+// write_kv's float32 rows into a 16-bit cache (checked by write_kv): each element converted by
+// c10's rounding, the one torch's .to() uses.
+template <typename cache_t>
+void narrow_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+               const int64_t* slots) {
+  const int64_t row = key.size(1) * key.size(2);
+  const float* k_src = key.data_ptr<float>();
+  const float* v_src = value.data_ptr<float>();
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  cache_t* k_dst = key_cache.data_ptr<cache_t>();
+  cache_t* v_dst = value_cache.data_ptr<cache_t>();
+  at::parallel_for(0, key.size(0), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      cache_t* k = k_dst + slots[t] * row;
+      cache_t* v = v_dst + slots[t] * row;
+      for (int64_t i = 0; i < row; ++i) k[i] = static_cast<cache_t>(k_src[t * k_stride + i]);
+      for (int64_t i = 0; i < row; ++i) v[i] = static_cast<cache_t>(v_src[t * v_stride + i]);
+    }
+  });
+}
+
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
@@ -741,9 +788,12 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache/value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "key, value and the caches must share a dtype");
+  const bool narrowing = key.scalar_type() == at::kFloat &&
+                         (key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (key.scalar_type() == key_cache.scalar_type() || narrowing),
+              "key, value and the caches must share a dtype, or float32 rows go to a bfloat16 or float16 cache; "
+              "got ", key.scalar_type(), " rows and a ", key_cache.scalar_type(), " cache");
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
               "key rows do not match the cache's [kv_heads, head_dim]");
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
@@ -759,6 +809,12 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
+  if (narrowing) {
+    AT_DISPATCH_SWITCH(key_cache.scalar_type(), "write_kv",
+                       AT_DISPATCH_CASE(at::kBFloat16, [&] { narrow_kv<scalar_t>(key, value, key_cache, value_cache, slots); })
+                           AT_DISPATCH_CASE(at::kHalf, [&] { narrow_kv<scalar_t>(key, value, key_cache, value_cache, slots); }));
+    return;
+  }
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const char* k_src = static_cast<const char*>(key.data_ptr());
   const char* v_src = static_cast<const char*>(value.data_ptr());

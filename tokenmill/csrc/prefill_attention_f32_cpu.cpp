@@ -6,7 +6,9 @@
 // Contract (tokenmill::paged_prefill_attention with float32 tensors; ops::paged_prefill_attention_f32):
 //   query        [T, num_heads, head_dim] float32, head_dim a multiple of 8 up to 256, head_dim
 //                contiguous: the chunk's tokens in order
-//   key_cache    [num_blocks, block_size, kv_heads, head_dim] float32, contiguous, this step's keys stored
+//   key_cache    [num_blocks, block_size, kv_heads, head_dim] float32, bfloat16 or float16 (a 16-bit
+//                cache: its elements widened to float32 as they are read), contiguous, this step's keys
+//                stored
 //   value_cache  as key_cache
 //   block_table  [max_blocks] int64: the sequence's blocks; every block below
 //                ceil((start + T) / block_size) must be a valid id
@@ -58,10 +60,18 @@ constexpr int kValueRows = 4;      // rows per value tile: 8 accumulators (GCC s
 constexpr int64_t kTaskRows = 48;  // rows per task: eight score tiles, twelve value tiles
 constexpr int64_t kMaxDim = 256;
 
+// The cache's 8 elements at p as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return avx2::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <typename cache_t>
 struct Problem {
   const float* query;
-  const float* key_cache;
-  const float* value_cache;
+  const cache_t* key_cache;
+  const cache_t* value_cache;
   const int64_t* table;
   float* out;
   float* keys;  // [kv_heads][steps][head_dim][kStep]: the keys transposed, zero past the last position
@@ -72,12 +82,14 @@ struct Problem {
 };
 
 // KV head kv's key (or value) row of position pos.
-inline const float* cache_row(const Problem& p, const float* cache, int64_t pos, int64_t kv) {
+template <typename cache_t>
+inline const cache_t* cache_row(const Problem<cache_t>& p, const cache_t* cache, int64_t pos, int64_t kv) {
   return cache + p.table[pos / p.block_size] * p.stride_block + (pos % p.block_size) * p.stride_slot +
          kv * p.stride_head;
 }
 
-inline float* keys_of(const Problem& p, int64_t kv, int64_t step) {
+template <typename cache_t>
+inline float* keys_of(const Problem<cache_t>& p, int64_t kv, int64_t step) {
   return p.keys + (kv * p.steps + step) * p.head_dim * kStep;
 }
 
@@ -102,17 +114,18 @@ inline void transpose8(__m256 (&r)[8]) {
 }
 
 // The keys of KV head kv at positions [step * kStep, + kStep) as [head_dim][kStep], zero past p.total.
-void lay_out_keys(const Problem& p, int64_t kv, int64_t step) {
+template <typename cache_t>
+void lay_out_keys(const Problem<cache_t>& p, int64_t kv, int64_t step) {
   float* kt = keys_of(p, kv, step);
   const int64_t p0 = step * kStep;
   for (int64_t i0 = 0; i0 < kStep; i0 += 8) {
-    const float* rows[8];
+    const cache_t* rows[8];
     for (int j = 0; j < 8; ++j)
       rows[j] = p0 + i0 + j < p.total ? cache_row(p, p.key_cache, p0 + i0 + j, kv) : nullptr;
     for (int64_t d0 = 0; d0 < p.head_dim; d0 += 8) {
       __m256 r[8];
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) r[j] = rows[j] != nullptr ? _mm256_loadu_ps(rows[j] + d0) : _mm256_setzero_ps();
+      for (int j = 0; j < 8; ++j) r[j] = rows[j] != nullptr ? load8(rows[j] + d0) : _mm256_setzero_ps();
       transpose8(r);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kt + (d0 + j) * kStep + i0, r[j]);
@@ -169,8 +182,8 @@ void score_rows(const float* q, const float* kt, int64_t head_dim, int64_t n, fl
 
 // acc[r][d0 + j] = acc[r][d0 + j] * alpha[r] + sum over t < n in order of probs[r][t] * v_t[d0 + j],
 // for R rows (probs, alpha and acc pointing at the tile's first row) and 8 * W dimensions from d0.
-template <int R, int W>
-inline void value_tile(const float* probs, const float* alpha, const float* const* v_rows, int64_t n, int64_t d0,
+template <int R, int W, typename cache_t>
+inline void value_tile(const float* probs, const float* alpha, const cache_t* const* v_rows, int64_t n, int64_t d0,
                        float* acc) {
   __m256 a[R][W];
 #pragma GCC unroll 8
@@ -181,7 +194,7 @@ inline void value_tile(const float* probs, const float* alpha, const float* cons
   for (int64_t t = 0; t < n; ++t) {
     __m256 v[W];
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(v_rows[t] + d0 + 8 * w);
+    for (int w = 0; w < W; ++w) v[w] = load8(v_rows[t] + d0 + 8 * w);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 pr = _mm256_broadcast_ss(probs + r * kStep + t);
@@ -195,8 +208,8 @@ inline void value_tile(const float* probs, const float* alpha, const float* cons
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + r * kMaxDim + d0 + 8 * w, a[r][w]);
 }
 
-template <int R>
-void value_rows(const float* probs, const float* alpha, const float* const* v_rows, int64_t n, int64_t head_dim,
+template <int R, typename cache_t>
+void value_rows(const float* probs, const float* alpha, const cache_t* const* v_rows, int64_t n, int64_t head_dim,
                 float* acc) {
   int64_t d0 = 0;
   for (; d0 + 16 <= head_dim; d0 += 16) value_tile<R, 2>(probs, alpha, v_rows, n, d0, acc);
@@ -231,7 +244,8 @@ void softmax_row(Rows& rows, int64_t r, int64_t n, int64_t valid) {
 }
 
 // Rows [row0, row0 + rows.count) of KV head kv (row R: token R / group, query head kv * group + R % group).
-void attend_task(const Problem& p, int64_t kv, int64_t row0, Rows& rows) {
+template <typename cache_t>
+void attend_task(const Problem<cache_t>& p, int64_t kv, int64_t row0, Rows& rows) {
   int64_t last_limit = 0;
   for (int64_t r = 0; r < rows.count; ++r) {
     const int64_t token = (row0 + r) / p.group, head = kv * p.group + (row0 + r) % p.group;
@@ -243,7 +257,7 @@ void attend_task(const Problem& p, int64_t kv, int64_t row0, Rows& rows) {
     rows.sum[r] = 0.0f;
     last_limit = std::max(last_limit, rows.limit[r]);
   }
-  const float* v_rows[kStep];
+  const cache_t* v_rows[kStep];
   for (int64_t p0 = 0; p0 < last_limit; p0 += kStep) {
     const int64_t n = std::min(kStep, last_limit - p0);
     const float* kt = keys_of(p, kv, p0 / kStep);
@@ -266,7 +280,8 @@ void attend_task(const Problem& p, int64_t kv, int64_t row0, Rows& rows) {
   }
 }
 
-void attend_all(const Problem& p) {
+template <typename cache_t>
+void attend_all(const Problem<cache_t>& p) {
   const int64_t rows_per_kv = p.num_tokens * p.group;
   const int64_t blocks = (rows_per_kv + kTaskRows - 1) / kTaskRows;
   const int64_t num_tasks = p.kv_heads * blocks;
@@ -290,6 +305,43 @@ void attend_all(const Problem& p) {
 }
 #endif  // TOKENMILL_PREFILL_F32
 
+#ifdef TOKENMILL_PREFILL_F32
+// The checked call of paged_prefill_attention_f32 over a cache of cache_t.
+template <typename cache_t>
+void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+             const at::Tensor& table, int64_t start, double scale, at::Tensor& out) {
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(2), block_size = key_cache.size(1);
+  Problem<cache_t> p{};
+  p.query = query.data_ptr<float>();
+  p.key_cache = key_cache.data_ptr<cache_t>();
+  p.value_cache = value_cache.data_ptr<cache_t>();
+  p.table = table.data_ptr<int64_t>();
+  p.out = out.data_ptr<float>();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.stride_block = key_cache.stride(0);
+  p.stride_slot = key_cache.stride(1);
+  p.stride_head = key_cache.stride(2);
+  p.block_size = block_size;
+  p.num_tokens = num_tokens;
+  p.num_heads = num_heads;
+  p.kv_heads = kv_heads;
+  p.group = num_heads / kv_heads;
+  p.head_dim = head_dim;
+  p.start = start;
+  p.total = start + num_tokens;
+  p.steps = (p.total + kStep - 1) / kStep;
+  p.scale = static_cast<float>(scale);
+  at::Tensor keys = at::empty({kv_heads * p.steps * head_dim * kStep}, query.options());
+  p.keys = keys.data_ptr<float>();
+  at::parallel_for(0, kv_heads * p.steps, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) lay_out_keys(p, i / p.steps, i % p.steps);
+  });
+  attend_all(p);
+}
+#endif  // TOKENMILL_PREFILL_F32
+
 at::Tensor paged_prefill_attention_f32(const at::Tensor& query, const at::Tensor& key_cache,
                                        const at::Tensor& value_cache, const at::Tensor& block_table, int64_t start,
                                        double scale) {
@@ -300,10 +352,12 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& query, const at::Tensor
 #else
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.stride(2) == 1,
               "query must be float32 [T, num_heads, head_dim] with head_dim contiguous");
+  const at::ScalarType cache_type = key_cache.scalar_type();
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "key_cache/value_cache must be contiguous float32 [num_blocks, block_size, kv_heads, head_dim]");
+                  value_cache.is_contiguous() && value_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf),
+              "key_cache/value_cache must be contiguous float32, bfloat16 or float16 [num_blocks, block_size, "
+              "kv_heads, head_dim] of one dtype");
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
                   block_table.device().is_cpu(),
               "paged_prefill_attention runs on CPU tensors");
@@ -320,36 +374,16 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& query, const at::Tensor
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (num_tokens == 0) return out;
   const at::Tensor table = block_table.contiguous();
-  Problem p{};
-  p.query = query.data_ptr<float>();
-  p.key_cache = key_cache.data_ptr<float>();
-  p.value_cache = value_cache.data_ptr<float>();
-  p.table = table.data_ptr<int64_t>();
-  p.out = out.data_ptr<float>();
-  p.q_stride_token = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.stride_block = key_cache.stride(0);
-  p.stride_slot = key_cache.stride(1);
-  p.stride_head = key_cache.stride(2);
-  p.block_size = block_size;
-  p.num_tokens = num_tokens;
-  p.num_heads = num_heads;
-  p.kv_heads = kv_heads;
-  p.group = num_heads / kv_heads;
-  p.head_dim = head_dim;
-  p.start = start;
-  p.total = total;
-  p.steps = (total + kStep - 1) / kStep;
-  p.scale = static_cast<float>(scale);
+  const int64_t* ids = table.data_ptr<int64_t>();
   const int64_t num_blocks = key_cache.size(0);
   for (int64_t b = 0; b < (total + block_size - 1) / block_size; ++b)
-    TORCH_CHECK(p.table[b] >= 0 && p.table[b] < num_blocks, "block id ", p.table[b], " outside the cache");
-  at::Tensor keys = at::empty({kv_heads * p.steps * head_dim * kStep}, query.options());
-  p.keys = keys.data_ptr<float>();
-  at::parallel_for(0, kv_heads * p.steps, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) lay_out_keys(p, i / p.steps, i % p.steps);
-  });
-  attend_all(p);
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < num_blocks, "block id ", ids[b], " outside the cache");
+  if (cache_type == at::kBFloat16)
+    prefill<c10::BFloat16>(query, key_cache, value_cache, table, start, scale, out);
+  else if (cache_type == at::kHalf)
+    prefill<c10::Half>(query, key_cache, value_cache, table, start, scale, out);
+  else
+    prefill<float>(query, key_cache, value_cache, table, start, scale, out);
   return out;
 #endif
 }

@@ -147,7 +147,9 @@ def paged_attention_decode(
 
     Sequence ``s`` attends to positions ``[max(0, seq_lens[s] - window), seq_lens[s])``; query head
     ``h`` uses KV head ``h // (num_heads // kv_heads)``. Float32 accumulation; returns
-    ``[S, num_heads, head_dim]`` in the query dtype. ``tiles`` lets bfloat16 caches of 16-slot blocks
+    ``[S, num_heads, head_dim]`` in the query dtype. The caches have the query's dtype, or are bfloat16
+    or float16 under a float32 query (widened to float32 as they are read: the same bits as a float32
+    cache holding those values). ``tiles`` lets bfloat16 caches of 16-slot blocks
     with head_dim 64 or 128 use AMX tile products where the CPU and the OS allow them (the
     probabilities then meet the values in bfloat16, as in flash attention); False keeps the vector
     path. Builds the kernel on first use; raises ``RuntimeError`` when it cannot.
@@ -157,8 +159,8 @@ def paged_attention_decode(
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim] bfloat16 or float32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] query's dtype, contiguous
-    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] query's dtype, contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] contiguous: see below
+    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] key_cache's dtype
     block_table: torch.Tensor,  # [max_blocks] int64: one sequence's blocks
     start: int,
     scale: float,
@@ -170,7 +172,7 @@ def paged_prefill_attention(
     AMX tile products where :func:`attention_tiles_available` and ``tiles``, else the same products on
     AVX512-BF16 vectors; 16-slot blocks, head_dim 64 or 128. float32
     (``csrc/prefill_attention_f32_cpu.cpp``, ``tiles`` unused): AVX2 vectors, any block size, head_dim
-    a multiple of 8 up to 256. Only where :func:`prefill_kernel_available` for the dtype. Returns
+    a multiple of 8 up to 256, over a float32, bfloat16 or float16 cache. Only where :func:`prefill_kernel_available` for the dtype. Returns
     ``[T, num_heads, head_dim]`` in the query's dtype; RuntimeError otherwise."""
     _op()  # builds the kernels, or raises
     return torch.ops.tokenmill.paged_prefill_attention(
@@ -206,7 +208,9 @@ def write_kv(
 ) -> None:
     """Store token ``t``'s key and value rows at slot ``slot_mapping[t]`` of the caches (as
     ``index_copy_`` into the caches viewed as ``[num_slots, kv_heads, head_dim]``, with the cache-line
-    misses of the scattered slots overlapped). RuntimeError on a slot outside the cache."""
+    misses of the scattered slots overlapped). The rows have the caches' dtype, or are float32 rows
+    rounded into bfloat16 or float16 caches as ``.to()`` rounds them. RuntimeError on a slot outside
+    the cache."""
     _op()  # builds the kernels, or raises
     torch.ops.tokenmill.write_kv(key, value, key_cache, value_cache, slot_mapping)
 

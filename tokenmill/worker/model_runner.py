@@ -111,6 +111,9 @@ class ModelRunner:
             time.perf_counter() - start,
         )
 
+        kv_dtype = (
+            self.dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
+        )
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(
             config.cache.kv_cache_memory,
             self.device,
@@ -118,7 +121,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=self.model.num_kv_heads,  # type: ignore[arg-type]
             head_dim=self.model.head_dim,  # type: ignore[arg-type]
-            dtype=self.dtype,
+            dtype=kv_dtype,
         )
         self.kv_caches = allocate_kv_caches(
             self.num_blocks,
@@ -126,14 +129,15 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=self.model.num_kv_heads,  # type: ignore[arg-type]
             head_dim=self.model.head_dim,  # type: ignore[arg-type]
-            dtype=self.dtype,
+            dtype=kv_dtype,
             device=self.device,
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens)",
+            "KV cache: %d blocks of %d tokens (%d tokens), %s",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
+            str(kv_dtype).removeprefix("torch."),
         )
         # The model-wide window (Mistral: every layer) and each layer's own (Gemma 3 mixes sliding
         # and global layers); one attention metadata is built per distinct window.

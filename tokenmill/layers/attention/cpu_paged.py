@@ -12,6 +12,9 @@ Zen 3). Elsewhere a step whose prompt chunks are all short (at most ``SHORT_CHUN
 tokens), in bfloat16 or float16, runs every row through the decode kernel as a decode of its own
 (``AttentionMetadata.rows_as_decodes``): the per-layer gather and SDPA call of a few-token chunk
 cost more than the attention itself. Longer chunks keep the reference's gather + SDPA.
+
+Float32 rows over a 16-bit cache (``--kv-cache-dtype``) take the same kernels (``kernels_read``);
+other mixes of row and cache dtypes go through the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ from tokenmill.layers.cpu_kernels import (
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, DecodesAndChunks
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernels_read(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernels take ``dtype`` rows over a ``cache_dtype`` cache: the same dtype (one of
+    ``KERNEL_DTYPES``), or float32 rows over a bfloat16 or float16 cache (``--kv-cache-dtype``), which
+    they widen to float32 as they read it and round to as they store it."""
+    if dtype == cache_dtype:
+        return dtype in KERNEL_DTYPES
+    return dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
 
 
 class StackAttention(NamedTuple):
@@ -136,7 +148,7 @@ class CpuPagedAttention(TorchPagedAttention):
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
         rows_contiguous = key.stride()[1:] == value.stride()[1:] == (self.head_dim, 1)
-        if key.dtype == value.dtype == kv_cache.dtype and rows_contiguous:
+        if key.dtype == value.dtype and kernels_read(key.dtype, kv_cache.dtype) and rows_contiguous:
             write_kv(key, value, kv_cache[0], kv_cache[1], slot_mapping)
         else:
             super()._store_kv(key, value, kv_cache, slot_mapping)
@@ -146,9 +158,9 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> bool:
         """Whether ``group``'s prompt chunks attend through the prefill kernel, one call a chunk, with
         no window: bfloat16 with 16-slot blocks and head_dim 64 or 128 on a CPU with AVX512-BF16, or
-        float32 with head_dim a multiple of 8 (up to 256) on one with AVX2 and no AVX-512. The kernel
-        reads the blocks in place where the reference gathers them and runs SDPA (causal, or under a
-        mask over a cached prefix). Per layer with SmolLM2's heads, kernel vs reference: on a Xeon's
+        float32 (over a float32, bfloat16 or float16 cache) with head_dim a multiple of 8 (up to 256) on
+        one with AVX2 and no AVX-512. The kernel reads the blocks in place where the reference gathers
+        them and runs SDPA (causal, or under a mask over a cached prefix). Per layer with SmolLM2's heads, kernel vs reference: on a Xeon's
         AMX tiles 66 tokens over 1,024 cached positions 0.26 vs 0.54 ms, 1,090 tokens from position 0
         1.5 vs 3.2 ms; on a Zen 4's AVX512-BF16 vectors 0.63 vs 2.8 ms and 5.3 vs 16.9 ms, 128 tokens
         0.13 vs 0.92 ms, and 4 / 32 tokens over 1,024 positions 92 / 329 us against 102 / 685 us as
@@ -159,13 +171,13 @@ class CpuPagedAttention(TorchPagedAttention):
             and group.sliding_window is None
             and group.spans is not None
             and group.block_tables is not None
-            and kv_cache.dtype == dtype
+            and kernels_read(dtype, kv_cache.dtype)
         ):
             return False
         if dtype == torch.float32:
             return self.head_dim % 8 == 0 and self.head_dim <= 256 and prefill_kernel_available(dtype)
         return (
-            dtype == torch.bfloat16
+            dtype == torch.bfloat16 == kv_cache.dtype
             and kv_cache.shape[2] == 16
             and self.head_dim in (64, 128)
             and prefill_kernel_available()
@@ -253,7 +265,6 @@ class CpuPagedAttention(TorchPagedAttention):
             (any_queries or group.num_queries == 1)
             and group.block_tables is not None
             and group.seq_lens is not None
-            and dtype == kv_cache.dtype
-            and dtype in KERNEL_DTYPES
+            and kernels_read(dtype, kv_cache.dtype)
             and self.head_dim <= MAX_HEAD_DIM
         )

@@ -46,6 +46,13 @@ def main() -> None:
         "fastest on AVX512-BF16 CPUs, F16 on AVX2-only ones; check with llama-bench -p 1024); Q4_1 keeps the original",
     )
     parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"], help="tokenmill's waiting policy")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="float16",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="tokenmill's KV cache type; float16 by default, as llama-server's cache is (its -ctk/-ctv "
+        "default). It matters where --dtype auto is float32 (CPUs without AVX-512)",
+    )
     args = parser.parse_args()
 
     bench_args = [
@@ -60,9 +67,10 @@ def main() -> None:
     ]  # fmt: skip
     print(
         f"shared prefix: {args.groups} groups x {args.per_group}, {args.prefix_len} + {args.question_len} "
-        f"tokens in, {args.output_len} out, {args.concurrency} concurrent; {cpu_name()}; tokenmill {git_describe()}"
+        f"tokens in, {args.output_len} out, {args.concurrency} concurrent; {cpu_name()}; tokenmill {git_describe()}, "
+        f"KV cache {args.kv_cache_dtype}"
     )
-    context = ["--max-model-len", "2048"]
+    context = ["--max-model-len", "2048", "--kv-cache-dtype", args.kv_cache_dtype]
     rows: dict[str, dict[str, float]] = {}
     with tokenmill("smollm2-135m", [*context, "--policy", args.policy]) as url:
         rows["tokenmill cache on"] = summary(run_bench(url, "cache-on", bench_args))

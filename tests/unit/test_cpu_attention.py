@@ -820,12 +820,12 @@ def test_llm_greedy_tokens_are_the_same_with_both_backends(tiny_model, monkeypat
 
 
 def test_a_16_bit_cache_under_float32_holds_twice_the_tokens_and_keeps_the_tokens(  # type: ignore[no-untyped-def]
-    tiny_model, monkeypatch
+    tiny_model, monkeypatch, caplog
 ) -> None:
     """``kv_cache_dtype="bfloat16"`` under a float32 model: the cache tensors are bfloat16, a byte
     budget holds twice the blocks of a float32 cache, and greedy tokens are the same through the
     kernels as through the reference over the same 16-bit cache; ``--kv-cache-dtype`` reaches it, and
-    an unknown type is refused with the choices named."""
+    an unknown type is refused with the choices named. A mix the kernels do not take is announced."""
     model = tiny_model("llama")
     rng = random.Random(6)
     prompts = [[rng.randrange(5, 160) for _ in range(n)] for n in (2, 9, 40, 70)]
@@ -845,6 +845,9 @@ def test_a_16_bit_cache_under_float32_holds_twice_the_tokens_and_keeps_the_token
     assert tokens["cpu", "bfloat16"] == tokens["torch", "bfloat16"]
     assert tokens["cpu", "float32"] == [model.greedy(p, 24) for p in prompts]
     assert blocks["bfloat16"] == 2 * blocks["float32"]
+    with caplog.at_level(logging.WARNING):
+        LLM(model.path, dtype="bfloat16", block_size=4, num_blocks=16, kv_cache_dtype="float16")
+    assert "a float16 KV cache under bfloat16 activations attends through the torch reference" in caplog.text
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

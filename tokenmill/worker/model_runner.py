@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.layers.attention.cpu_paged import kernels_read
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -114,6 +115,13 @@ class ModelRunner:
         kv_dtype = (
             self.dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
         )
+        if self.device.type == "cpu" and not kernels_read(self.dtype, kv_dtype):
+            logger.warning(
+                "a %s KV cache under %s activations attends through the torch reference, slower than the "
+                "CPU kernels (they take the model's dtype, or a 16-bit cache under float32)",
+                str(kv_dtype).removeprefix("torch."),
+                str(self.dtype).removeprefix("torch."),
+            )
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(
             config.cache.kv_cache_memory,
             self.device,

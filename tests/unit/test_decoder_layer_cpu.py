@@ -12,6 +12,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_kernels, fused_cpu
+from tokenmill.layers.cpu_gemm import float32_panels_preferred
 from tokenmill.layers.int4 import int4_max_rows
 
 STACK_SIGNATURE = inspect.signature(fused_cpu.llama_decode_stack)
@@ -174,16 +175,27 @@ def test_the_op_names_a_wrong_weight_bias_or_cache_list() -> None:
     cache = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
     index = torch.zeros(1, dtype=torch.long)
     for weights, biases, caches, message in (
-        ([hidden], [None] * 4, [cache], r"weights must hold 14 or 16 tensors per layer \(1 layers\), got 1"),
+        (
+            [hidden],
+            [None] * 4,
+            [cache],
+            r"weights must hold 14 or 16 \(int4\), 6 or 8 \(float32 panels\) tensors per layer \(1 layers\), got 1",
+        ),
         (
             [hidden] * 28,
             [None] * 8,
             [cache],
-            r"weights must hold 14 or 16 tensors per layer \(1 layers\), got 28",
+            r"weights must hold 14 or 16 \(int4\), 6 or 8 \(float32 panels\) tensors per layer \(1 layers\), got 28",
         ),
         ([hidden] * 28, [None] * 4, [cache] * 2, r"biases must hold 4 entries per layer \(2 layers\), got 4"),
         ([hidden] * 14, [None] * 4, [cache[0]], r"each kv cache must be \[2, blocks, block_size, heads, D\]"),
         ([], [], [], "kv_caches must hold one cache per layer, got none"),
+        (
+            [hidden] * 6,
+            [None] * 4,
+            [cache],
+            "float32 panels go with float32 hidden states, int4 weights with bfloat16",
+        ),
     ):
         with pytest.raises(RuntimeError, match=message):
             fused_cpu.llama_decode_stack(
@@ -203,3 +215,55 @@ def test_the_op_names_a_wrong_weight_bias_or_cache_list() -> None:
                 0.25,
                 None,
             )
+
+
+# qwen2: QKV biases, tied embeddings; qwen3: per-head q/k norms, head_dim 24; wide-heads: heads of 64,
+# whose prompt chunks attend through the float32 prefill kernel where the CPU has it (AVX2, no
+# AVX-512), beside decodes, and over cached prefixes; a float16 cache under float32 for one of them.
+@pytest.mark.parametrize(
+    ("arch", "kv_cache_dtype"),
+    [
+        ("llama", "auto"),
+        ("qwen2", "auto"),
+        ("qwen3", "auto"),
+        ("wide-heads", "auto"),
+        ("wide-heads", "float16"),
+    ],
+)
+def test_float32_steps_on_panels_run_fused_with_the_same_tokens_and_logprobs_as_the_layer_modules(
+    arch: str,
+    kv_cache_dtype: str,
+    tiny_model,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Float32 weights go to panels on CPUs without AVX-512, and then every step the attention
+    serves with its kernels runs as one call, with the same bits as the modules (elsewhere float32
+    weights stay with oneDNN and the stack is not built)."""
+    llm = LLM(
+        tiny_model(arch).path,
+        dtype="float32",
+        num_blocks=64,
+        max_num_batched_tokens=40,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    model = llm.engine.executor.runner.model
+    stack = model.decode_stack
+    if not float32_panels_preferred():
+        assert stack is None
+        return
+    assert stack is not None and stack.dtype == torch.float32 and len(stack.layers) == 2
+    assert [len(layer.weights) for layer in stack.layers] == [8 if arch == "qwen3" else 6] * 2
+    calls = _count_stack_rows(monkeypatch)
+    shared = [30 + (5 * i) % 60 for i in range(36)]
+    prompts = [[7 + i for i in range(length)] for length in (3, 17, 40, 9, 64)]
+    prompts += [shared + [90, 91, 92], shared + [93, 94]]
+    fused = _generate(llm, prompts)
+    assert len(calls) >= 11 and max(calls) >= len(prompts)  # every decode step, at least
+    if arch == "wide-heads" and cpu_kernels.prefill_kernel_available(torch.float32):
+        assert max(calls) > len(prompts)  # steps with prompt chunks went through the op too
+
+    calls.clear()
+    llm.engine.kv_manager.reset_prefix_cache()
+    model.decode_stack = None  # the layer modules only
+    assert _generate(llm, prompts) == fused
+    assert not calls

@@ -1,13 +1,14 @@
 // The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
 // them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
-// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear),
-// paged_attention_cpu.cpp (KV write, decode attention), prefill_attention_cpu.cpp and
-// prefill_attention_f32_cpu.cpp (prompt chunks).
+// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear), f32_gemm_cpu.cpp
+// (float32 panel linear), paged_attention_cpu.cpp (KV write, decode attention), prefill_attention_cpu.cpp
+// and prefill_attention_f32_cpu.cpp (prompt chunks).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace tokenmill::ops {
 
@@ -23,6 +24,8 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method);
+at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                            int64_t out_features);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
               const at::Tensor& slot_mapping);
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

@@ -3,14 +3,16 @@
 //
 //   residual, x = x, rms_norm(x)              (first layer: no residual yet)
 //   or x, residual = add_rms_norm(x, residual)
-//   q, k, v = int4_linear(x, qkv)             (views of one [S, (H + 2 KVH) * D] output)
+//   q, k, v = linear(x, qkv)                  (views of one [S, (H + 2 KVH) * D] output)
 //   q, k = q_norm(q), k_norm(k)               (per head, when the layer has them: Qwen3)
 //   rotary(q, k) in place; write_kv(k, v)
-//   x = int4_linear(attention(q), o)          (decode rows: paged_attention_decode; chunks:
+//   x = linear(attention(q), o)               (decode rows: paged_attention_decode; chunks:
 //                                              paged_prefill_attention)
 //   x, residual = add_rms_norm(x, residual)
-//   return int4_linear(silu_and_mul(int4_linear(x, gate_up)), down)
+//   return linear(silu_and_mul(linear(x, gate_up)), down)
 // and after the last layer: x, residual = add_rms_norm(x, residual) with the final norm's weight.
+// `linear` is int4_linear for bfloat16 activations (int4 weights) and f32_panel_linear for float32 ones
+// (weights in float32 panels, on CPUs without AVX-512).
 //
 // Why: with int4 weights a single-sequence decode step of a small model spends about as long in
 // Python and the dispatcher (about 12 operator calls and a dozen module calls per layer) as in the
@@ -20,10 +22,13 @@
 // models/llama.py followed by the model's final norm.
 //
 // Contract (tokenmill::llama_decode_stack), L layers:
-//   hidden       [S, hidden] bfloat16, contiguous: the embeddings (overwritten)
-//   weights      per layer, in order: [input_norm, post_attention_norm, then (packed, scales, mins) of
-//                qkv, o, gate_up, down]: 14 tensors, int4 in layers/int4.py's format; then, for layers
-//                with per-head q/k RMSNorms, their two weights [head_dim] (16 tensors): 14 L or 16 L
+//   hidden       [S, hidden] bfloat16 or float32, contiguous: the embeddings (overwritten)
+//   weights      per layer, in order: [input_norm, post_attention_norm, then the weights of qkv, o,
+//                gate_up, down] in hidden's dtype; for bfloat16 the projections' (packed, scales,
+//                mins), int4 in layers/int4.py's format (14 tensors), for float32 their panels
+//                [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp; 6 tensors); then, for layers with
+//                per-head q/k RMSNorms, their two weights [head_dim] (16 or 8 tensors): every layer the
+//                same count, 14, 16, 6 or 8
 //   biases       per layer [qkv, o, gate_up, down]: each projection's bias (added to its output) or
 //                None: 4 L entries
 //   kv_caches    per layer [2, num_blocks, block_size, kv_heads, head_dim]: row s's key and value are
@@ -36,10 +41,10 @@
 //                max_blocks] int64), as the layer modules' CpuPagedAttention attends them
 //   decode_rows  with chunk_spans: [D] int64, the step's other rows, each a decode attending through
 //                paged_attention_decode with block_tables[d] and seq_lens[d]
-//   final_norm   [hidden] bfloat16
+//   final_norm   [hidden] in hidden's dtype
 //   interrupt    None or [1] uint8 in memory another process may write (core/interrupt.py): read
 //                before each layer; once nonzero the step is abandoned there
-//   returns      [S, hidden] bfloat16: the final norm's output (the LM head's input), or [0, hidden]
+//   returns      [S, hidden] in hidden's dtype: the final norm's output (the LM head's input), or [0, hidden]
 //                when interrupted
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -62,9 +67,25 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kAutoKernel = 0;  // int4_linear picks the row or tile kernel by row count
-constexpr size_t kNumWeights = 14;
-constexpr size_t kNumWeightsWithHeadNorms = 16;
 constexpr size_t kNumProjections = 4;
+constexpr size_t kNumWeights = 2 + 3 * kNumProjections;  // int4: two norms, (packed, scales, mins) each
+constexpr size_t kNumPanelWeights = 2 + kNumProjections;  // float32: two norms, the panels of each
+constexpr size_t kNumHeadNorms = 2;
+
+// How a layer's weights list is laid out (see the contract).
+struct WeightLayout {
+  size_t per_projection;  // tensors per projection: 3 (int4) or 1 (float32 panels)
+  bool head_norms;        // the q and k norms' weights follow the projections'
+
+  static std::optional<WeightLayout> of(size_t per_layer) {
+    if (per_layer == kNumWeights || per_layer == kNumWeights + kNumHeadNorms)
+      return WeightLayout{3, per_layer != kNumWeights};
+    if (per_layer == kNumPanelWeights || per_layer == kNumPanelWeights + kNumHeadNorms)
+      return WeightLayout{1, per_layer != kNumPanelWeights};
+    return std::nullopt;
+  }
+  size_t first_head_norm() const { return 2 + per_projection * kNumProjections; }
+};
 
 // Per-head RMSNorm of q or k [S, heads, D], as layers/norm.py's RMSNorm computes it for a 3-D input
 // (the unfused torch ops, so the same kernels and bits): weight * (x / rms(x)).to(x.dtype).
@@ -120,22 +141,29 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
   return out;
 }
 
-// One layer: `weights` are this layer's (kNumWeights or kNumWeightsWithHeadNorms), its biases
-// biases[first_bias + p] for projection p. `hidden` is overwritten; `skip` is the residual stream, undefined before the
-// first layer (then `hidden` becomes it) and updated in place. Returns the layer's output.
-at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::Tensor> weights,
+// One layer: `weights` are this layer's (laid out as `layout` says), its biases biases[first_bias + p]
+// for projection p. `hidden` is overwritten; `skip` is the residual stream, undefined before the first
+// layer (then `hidden` becomes it) and updated in place. Returns the layer's output.
+at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::Tensor> weights, WeightLayout layout,
                         const c10::List<std::optional<at::Tensor>>& biases, size_t first_bias,
-                        const at::Tensor& kv_cache,
-                        const StepInputs& step) {
+                        const at::Tensor& kv_cache, const StepInputs& step) {
   const int64_t rows = hidden.size(0);
   const int64_t num_heads = step.num_heads, num_kv_heads = step.num_kv_heads, head_dim = step.head_dim;
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const double eps = step.eps;
   const at::Tensor &input_norm = weights[0], &post_norm = weights[1];
-  // Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of x, its bias added as the layer module adds it.
+  // Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of x, its bias added as the layer module adds it:
+  // after the int4 kernel, inside the panel kernel.
   const auto linear = [&](const at::Tensor& x, size_t p) {
-    const size_t first = 2 + 3 * p;
-    at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
+    const size_t first = 2 + layout.per_projection * p;
     const std::optional<at::Tensor> bias = biases.get(first_bias + p);
+    if (layout.per_projection == 1) {
+      const int64_t down_in = weights[2 + 3].size(1);  // the intermediate size
+      const int64_t out_features[kNumProjections] = {q_size + 2 * kv_size, hidden.size(1), 2 * down_in,
+                                                     hidden.size(1)};
+      return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
+    }
+    at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
     return bias.has_value() ? at::add(out, *bias) : out;
   };
 
@@ -149,15 +177,15 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
   }
 
   const at::Tensor qkv = linear(normed, 0);  // [S, (H + 2 * KVH) * D]
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "the qkv weight has ", qkv.size(1), " outputs, expected ",
               q_size + 2 * kv_size);
   at::Tensor q = qkv.narrow(1, 0, q_size);            // [S, H * D], rows strided
   at::Tensor k = qkv.narrow(1, q_size, kv_size);      // [S, KVH * D]
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
-  if (weights.size() == kNumWeightsWithHeadNorms) {
-    q = head_rms_norm(q.view({rows, num_heads, head_dim}), weights[14], eps).view({rows, q_size});
-    k = head_rms_norm(k.view({rows, num_kv_heads, head_dim}), weights[15], eps).view({rows, kv_size});
+  if (layout.head_norms) {
+    const size_t q_norm = layout.first_head_norm();
+    q = head_rms_norm(q.view({rows, num_heads, head_dim}), weights[q_norm], eps).view({rows, q_size});
+    k = head_rms_norm(k.view({rows, num_kv_heads, head_dim}), weights[q_norm + 1], eps).view({rows, kv_size});
   }
   ops::rotary_embedding(step.positions, q, k, step.cos_cache, step.sin_cache, head_dim);
   const at::Tensor key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
@@ -183,9 +211,12 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0, "kv_caches must hold one cache per layer, got none");
   const size_t per_layer = weights.size() / layers;
-  TORCH_CHECK(weights.size() % layers == 0 && (per_layer == kNumWeights || per_layer == kNumWeightsWithHeadNorms),
-              "weights must hold ", kNumWeights, " or ", kNumWeightsWithHeadNorms, " tensors per layer (", layers,
-              " layers), got ", weights.size());
+  const std::optional<WeightLayout> layout = WeightLayout::of(per_layer);
+  TORCH_CHECK(weights.size() % layers == 0 && layout.has_value(), "weights must hold ", kNumWeights, " or ",
+              kNumWeights + kNumHeadNorms, " (int4), ", kNumPanelWeights, " or ", kNumPanelWeights + kNumHeadNorms,
+              " (float32 panels) tensors per layer (", layers, " layers), got ", weights.size());
+  TORCH_CHECK((layout->per_projection == 1) == (hidden.scalar_type() == at::kFloat),
+              "float32 panels go with float32 hidden states, int4 weights with bfloat16 ones");
   TORCH_CHECK(biases.size() == kNumProjections * layers, "biases must hold ", kNumProjections,
               " entries per layer (", layers, " layers), got ", biases.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");
@@ -229,7 +260,7 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
   at::Tensor skip;  // the residual stream: undefined until the first layer makes `hidden` it
   for (size_t layer = 0; layer < layers; ++layer) {
     if (flag != nullptr && *flag != 0) return at::empty({0, hidden.size(1)}, hidden.options());
-    hidden = decode_layer(hidden, skip, all_weights.slice(per_layer * layer, per_layer), biases,
+    hidden = decode_layer(hidden, skip, all_weights.slice(per_layer * layer, per_layer), *layout, biases,
                           kNumProjections * layer, kv_caches[layer], step);  // [S, hidden]
   }
   ops::add_rms_norm(hidden, skip, final_norm, eps);

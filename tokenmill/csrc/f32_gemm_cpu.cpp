@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_ops.h"
 #include "vec16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -128,6 +129,13 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, const
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  return ::tokenmill::f32_panel_linear(x, panels, bias, out_features);
+}
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("f32_panels_available() -> bool", &tokenmill::f32_panels_available);

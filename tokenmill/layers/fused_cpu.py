@@ -83,17 +83,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def llama_decode_stack(
-    hidden: torch.Tensor,  # [S, hidden] bfloat16, contiguous: the embeddings; overwritten
+    hidden: torch.Tensor,  # [S, hidden] bfloat16 or float32, contiguous: the embeddings; overwritten
     weights: list[torch.Tensor],  # every layer's, in order: see models/llama.FusedDecodeWeights
     biases: list[torch.Tensor | None],  # every layer's qkv, o, gate_up, down
-    kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim] bfloat16
+    kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
     positions: torch.Tensor,  # [S] int64
     cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
     sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2] float32
     slot_mapping: torch.Tensor,  # [S] int64
     block_tables: torch.Tensor,  # [S, max_blocks] int64
     seq_lens: torch.Tensor,  # [S] int64
-    final_norm: torch.Tensor,  # [hidden] bfloat16
+    final_norm: torch.Tensor,  # [hidden] hidden's dtype
     shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
     eps: float,
     scale: float,
@@ -101,10 +101,10 @@ def llama_decode_stack(
     interrupt: torch.Tensor | None = None,  # [1] uint8 (core/interrupt.py), polled between layers
     chunks: DecodesAndChunks | None = None,
 ) -> torch.Tensor:
-    """Every Llama decoder layer over a step of decodes with int4 projections (each with its bias, if
-    any), then the final norm, in one C++ call (``csrc/decoder_layer_cpu.cpp``): the same kernels in
-    the same order as the layer modules and the model's norm, so the same bits. Returns the final
-    norm's output ``[S, hidden]``; raises ``StepInterrupted`` if ``interrupt`` was raised before a
+    """Every Llama decoder layer over a step of decodes with int4 projections (bfloat16) or float32
+    panels (each with its bias, if any), then the final norm, in one C++ call
+    (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the layer modules and the
+    model's norm, so the same bits. Returns the final norm's output ``[S, hidden]``; raises ``StepInterrupted`` if ``interrupt`` was raised before a
     layer (the step is abandoned there). With ``chunks``, ``block_tables`` and ``seq_lens`` are those of
     ``chunks.decode_rows`` and each of ``chunks.chunk_spans`` attends through the prefill kernel."""
     num_heads, num_kv_heads, head_dim = shape

@@ -168,9 +168,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def fused_decode_weights(self) -> FusedDecodeWeights | None:
         """This layer's tensors for ``fused_cpu.llama_decode_stack``, or None unless the layer is exactly
-        what that op computes: bfloat16 norms (q/k norms too, if any), the CPU kernel attention, static
-        rotary, a SiLU ``LlamaMLP``, and all four projections on the int4 kernel without tensor
-        parallelism."""
+        what that op computes: the CPU kernel attention, static rotary, a SiLU ``LlamaMLP``, no tensor
+        parallelism, and either bfloat16 norms (q/k norms too, if any) with all four projections on
+        the int4 kernel, or float32 norms with all four on float32 panels (``layers/cpu_gemm.py``, CPUs
+        without AVX-512)."""
         attention, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP) or mlp.hidden_act != "silu":
             return None
@@ -182,50 +183,72 @@ class LlamaDecoderLayer(nn.Module):
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         q_norm, k_norm = attention.q_norm, attention.k_norm
         head_norms = () if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
-        if any(weight.dtype != torch.bfloat16 for weight in (*norms, *head_norms)):
+        dtype = norms[0].dtype
+        if dtype not in (torch.bfloat16, torch.float32) or any(
+            w.dtype != dtype for w in (*norms, *head_norms)
+        ):
             return None
-        fused = FusedDecodeWeights(weights=list(norms), biases=[], max_rows=0)
+        fused = FusedDecodeWeights(weights=list(norms), biases=[], max_rows=0, dtype=dtype)
         max_rows = []
         for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            int4_weight = linear.int4_weight
-            if int4_weight is None or linear.tp_size != 1:
+            if linear.tp_size != 1 or linear.weight.dtype != dtype:
                 return None
-            fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+            int4_weight, packed = linear.int4_weight, linear.packed_weight
+            if dtype == torch.bfloat16 and int4_weight is not None:
+                fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+                max_rows.append(int4_weight.max_rows)
+            elif (
+                dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
+            ):
+                fused.weights.append(packed.data)
+                max_rows.append(PANELS_MAX_ROWS)
+            else:
+                return None
             fused.biases.append(linear.bias)
-            max_rows.append(int4_weight.max_rows)
         fused.weights += head_norms
         fused.max_rows = min(max_rows)
         return fused
 
 
+# The float32 panel kernel takes any number of rows; the fused stack then takes as many.
+PANELS_MAX_ROWS = 1 << 30
+
+
 @dataclass
 class FusedDecodeWeights:
     """One layer's tensors for ``fused_cpu.llama_decode_stack``: ``weights`` (both norms' weights, the
-    int4 ``(packed, scales, mins)`` of qkv, o, gate_up and down, then the q and k norms' weights if the
-    layer has them), ``biases`` (those four
-    projections' biases or None) and ``max_rows``, the most rows its int4 projections take."""
+    projections' weights of qkv, o, gate_up and down — int4 ``(packed, scales, mins)`` each in
+    bfloat16, float32 panels in float32 — then the q and k norms' weights if the layer has them),
+    ``biases`` (those four projections' biases or None), ``max_rows``, the most rows its projections
+    take, and ``dtype``, the activations' (bfloat16 or float32)."""
 
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
     max_rows: int
+    dtype: torch.dtype
 
 
 @dataclass
 class FusedDecodeStack:
     """The arguments of ``fused_cpu.llama_decode_stack`` that do not change between steps: every
-    layer's ``weights`` and ``biases`` in layer order (``layers`` keeps them per layer), and
-    ``max_rows``, the most rows every layer's int4 projections take."""
+    layer's ``weights`` and ``biases`` in layer order (``layers`` keeps them per layer),
+    ``max_rows``, the most rows every layer's projections take, and the activations' ``dtype``."""
 
     layers: list[FusedDecodeWeights]
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
     max_rows: int
+    dtype: torch.dtype
 
     @classmethod
-    def of(cls, layers: list[FusedDecodeWeights]) -> FusedDecodeStack:
+    def of(cls, layers: list[FusedDecodeWeights]) -> FusedDecodeStack | None:
+        """The stack of ``layers``, or None unless they are laid out alike (one dtype, the same number
+        of weights each: the op reads one layout for all)."""
+        if len({(layer.dtype, len(layer.weights)) for layer in layers}) != 1:
+            return None
         weights = [tensor for layer in layers for tensor in layer.weights]
         biases = [bias for layer in layers for bias in layer.biases]
-        return cls(layers, weights, biases, min(layer.max_rows for layer in layers))
+        return cls(layers, weights, biases, min(layer.max_rows for layer in layers), layers[0].dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -281,8 +304,10 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack = None
         per_layer = [cast(LlamaDecoderLayer, layer).fused_decode_weights() for layer in self.layers]
         fitting = [entry for entry in per_layer if entry is not None]
-        if fitting and len(fitting) == len(per_layer) and self.norm.weight.dtype == torch.bfloat16:
-            self.decode_stack = FusedDecodeStack.of(fitting)
+        if fitting and len(fitting) == len(per_layer):
+            stack = FusedDecodeStack.of(fitting)
+            if stack is not None and self.norm.weight.dtype == stack.dtype:
+                self.decode_stack = stack
 
     def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """The decoder stack and the final norm through ``fused_cpu.llama_decode_stack`` when the
@@ -292,7 +317,12 @@ class LlamaForCausalLM(nn.Module):
         the layer modules."""
         stack = self.decode_stack
         num_tokens = hidden.shape[0]
-        if stack is None or num_tokens > stack.max_rows or not fused_cpu.applies_to(hidden):
+        if (
+            stack is None
+            or num_tokens > stack.max_rows
+            or hidden.dtype != stack.dtype
+            or not fused_cpu.applies_to(hidden)
+        ):
             return None
         backend = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn
         rotary = self.rotary

@@ -92,7 +92,8 @@ class ModelRunner:
             self.model.eval()
             quantized = self._quantize(config.model.quantization)
             exact_int4, exact_q8 = self._keep_exact_copies() if config.model.quantization is None else (0, 0)
-            for module in self.model.modules():
+            # Children first: the model's own step collects what its layers prepared (packed weights).
+            for module in reversed(list(self.model.modules())):
                 prepare = getattr(module, "prepare_for_inference", None)
                 if prepare is not None:
                     prepare()

@@ -152,17 +152,17 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const double eps = step.eps;
   const at::Tensor &input_norm = weights[0], &post_norm = weights[1];
+  // The projections' output widths, which panels (padded to 16) do not carry: the down projection's
+  // panels [.., intermediate, 16] give the intermediate size.
+  const int64_t intermediate = layout.per_projection == 1 ? weights[2 + 3].size(1) : 0;
+  const int64_t out_features[kNumProjections] = {q_size + 2 * kv_size, hidden.size(1), 2 * intermediate,
+                                                 hidden.size(1)};
   // Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of x, its bias added as the layer module adds it:
   // after the int4 kernel, inside the panel kernel.
   const auto linear = [&](const at::Tensor& x, size_t p) {
     const size_t first = 2 + layout.per_projection * p;
     const std::optional<at::Tensor> bias = biases.get(first_bias + p);
-    if (layout.per_projection == 1) {
-      const int64_t down_in = weights[2 + 3].size(1);  // the intermediate size
-      const int64_t out_features[kNumProjections] = {q_size + 2 * kv_size, hidden.size(1), 2 * down_in,
-                                                     hidden.size(1)};
-      return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
-    }
+    if (layout.per_projection == 1) return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
     at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
     return bias.has_value() ? at::add(out, *bias) : out;
   };

@@ -13,9 +13,10 @@
 // lines, spread over the whole panel's arithmetic; with more tiles the second asks for all of them
 // (spreading was 4-6% slower at 32 and 66 rows); a single row leaves the stream to the hardware
 // prefetcher. SmolLM2's 30 layers on a Zen 3, against the second tile alone (best of 12,
-// alternating): 8 rows 22.2-25.2 vs 26.5-28.0 ms, 16 rows 27.1-34.0 vs 29.0-35.4 ms; 4 and 6 rows
-// (one tile, no prefetch before) 19.6 / 19.2 vs 22.2 / 22.6 ms. Each output is one float32 sum over
-// the input features in order, plus the bias: it does not depend on the number of rows or threads.
+// alternating in one process): 16 rows 31.3 vs 35.5 ms, 8 rows 25.6 vs 31.3, 12 rows 27.5 vs 28.7,
+// 6 rows (one tile, no prefetch before) 22.4 vs 24.1; 1 and 32 rows unchanged. Each output is one
+// float32 sum over the input features in order, plus the bias: it does not depend on the number of
+// rows or threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -53,10 +54,14 @@ void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t in
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   // GCC keeps the accumulators in registers only when every loop over the rows is unrolled.
+  int64_t countdown = pf_phase + 1;  // steps to this tile's next line to prefetch (no division in the loop)
   for (int64_t i = 0; i < in_features; ++i) {
     const __m256 w0 = _mm256_loadu_ps(panel + i * kPanelWidth);
     const __m256 w1 = _mm256_loadu_ps(panel + i * kPanelWidth + 8);
-    if (prefetch != nullptr && i % pf_every == pf_phase) vec::prefetch_l2(prefetch + i * kPanelWidth);
+    if (prefetch != nullptr && --countdown == 0) {
+      vec::prefetch_l2(prefetch + i * kPanelWidth);
+      countdown = pf_every;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + i);

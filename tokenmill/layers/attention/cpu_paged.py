@@ -160,12 +160,12 @@ class CpuPagedAttention(TorchPagedAttention):
         no window: bfloat16 with 16-slot blocks and head_dim 64 or 128 on a CPU with AVX512-BF16, or
         float32 (over a float32, bfloat16 or float16 cache) with head_dim a multiple of 8 (up to 256) on
         one with AVX2 and no AVX-512. The kernel reads the blocks in place where the reference gathers
-        them and runs SDPA (causal, or under a mask over a cached prefix). Per layer with SmolLM2's heads, kernel vs reference: on a Xeon's
-        AMX tiles 66 tokens over 1,024 cached positions 0.26 vs 0.54 ms, 1,090 tokens from position 0
-        1.5 vs 3.2 ms; on a Zen 4's AVX512-BF16 vectors 0.63 vs 2.8 ms and 5.3 vs 16.9 ms, 128 tokens
-        0.13 vs 0.92 ms, and 4 / 32 tokens over 1,024 positions 92 / 329 us against 102 / 685 us as
-        rows of the decode kernel; in float32 on a Zen 3's AVX2 vectors 2.33 vs 2.89 ms and 15.7 vs
-        21.0 ms, 16 tokens over 1,024 positions 0.79 vs 1.13 ms."""
+        them and runs SDPA (causal, or under a mask over a cached prefix). Per layer with SmolLM2's
+        heads, kernel vs reference: on a Xeon's AMX tiles 66 tokens over 1,024 cached positions 0.26 vs
+        0.54 ms, 1,090 tokens from position 0 1.5 vs 3.2 ms; on a Zen 4's AVX512-BF16 vectors 0.63 vs
+        2.8 ms and 5.3 vs 16.9 ms, 128 tokens 0.13 vs 0.92 ms, and 4 / 32 tokens over 1,024 positions
+        92 / 329 us against 102 / 685 us as rows of the decode kernel; in float32 on a Zen 3's AVX2 vectors
+        2.33 vs 2.89 ms and 15.7 vs 21.0 ms, 16 tokens over 1,024 positions 0.79 vs 1.13 ms."""
         if not (
             group.num_queries > 1
             and group.sliding_window is None

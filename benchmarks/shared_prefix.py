@@ -26,6 +26,8 @@ from peers import (
 )
 from peers import tokenmill_server as tokenmill
 
+from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -48,12 +50,17 @@ def main() -> None:
     parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"], help="tokenmill's waiting policy")
     parser.add_argument(
         "--kv-cache-dtype",
-        default="float16",
+        default=None,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="tokenmill's KV cache type; float16 by default, as llama-server's cache is (its -ctk/-ctv "
-        "default). It matters where --dtype auto is float32 (CPUs without AVX-512)",
+        help="tokenmill's KV cache type; by default 16 bits as llama-server's (its -ctk/-ctv f16): the model's "
+        "own dtype where --dtype auto is bfloat16 (CPUs that compute it), float16 where it is float32",
     )
     args = parser.parse_args()
+    if args.kv_cache_dtype is None:
+        args.kv_cache_dtype = "auto" if cpu_computes_bfloat16() else "float16"
+    kv_shown = args.kv_cache_dtype
+    if kv_shown == "auto":
+        kv_shown = f"auto ({'bfloat16' if cpu_computes_bfloat16() else 'float32'}, the model's)"
 
     bench_args = [
         "--dataset", "shared-prefix",
@@ -68,7 +75,7 @@ def main() -> None:
     print(
         f"shared prefix: {args.groups} groups x {args.per_group}, {args.prefix_len} + {args.question_len} "
         f"tokens in, {args.output_len} out, {args.concurrency} concurrent; {cpu_name()}; tokenmill {git_describe()}, "
-        f"KV cache {args.kv_cache_dtype}"
+        f"KV cache {kv_shown}"
     )
     context = ["--max-model-len", "2048", "--kv-cache-dtype", args.kv_cache_dtype]
     rows: dict[str, dict[str, float]] = {}

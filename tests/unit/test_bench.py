@@ -37,6 +37,7 @@ from tokenmill.bench.serve import (
     arrival_offsets,
     build_body,
     finish_result,
+    run_benchmark,
     send_request,
     server_root,
 )
@@ -374,6 +375,48 @@ def test_send_request_never_raises_on_transport_errors() -> None:
 
     result = asyncio.run(go())
     assert result.error == "ConnectError: connection refused" and result.e2e is not None
+
+
+def test_a_server_that_drops_kept_alive_connections_fails_no_request() -> None:
+    """llama-server (cpp-httplib) closes a kept-alive connection after some requests without saying
+    so: a client that reuses the connection sees "Server disconnected without sending a response"
+    (3-11 of 128 requests in the shared-prefix benchmark). This server answers the first request of
+    each connection in full (HTTP/1.1, no ``Connection: close``), then reads whatever comes next on it
+    and closes without an answer. The bench opens a connection per request, as vLLM's and SGLang's
+    benchmark clients do, so every request completes."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        events = [f"data: {json.dumps({'choices': [{'index': 0, 'text': f' t{i}'}]})}\n\n" for i in range(3)]
+        payload = ("".join(events) + "data: [DONE]\n\n").encode()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        writer.write(f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+        await writer.drain()
+        await reader.read(65536)  # the next request on this connection, or the client's close
+        writer.close()
+
+    async def go() -> list[RequestResult]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        config = BenchConfig(
+            base_url=f"http://127.0.0.1:{port}", model="m", max_concurrency=2, progress=False
+        )
+        async with server:
+            outcome = await run_benchmark(config, [BenchRequest("p", 1, 3) for _ in range(8)])
+        return outcome.results
+
+    results = asyncio.run(go())
+    assert [r.error for r in results] == [None] * 8
+    assert all(r.output_tokens == 3 for r in results) and connections == 8
 
 
 # ---------------------------------------------------------------------------------------------------

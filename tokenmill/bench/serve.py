@@ -231,10 +231,11 @@ async def send_request(
 def _client(config: BenchConfig) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # No pool cap unless a concurrency cap is asked for: queueing for a connection inside the client
-    # would be counted as server latency.
-    limits = httpx.Limits(
-        max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency
-    )
+    # would be counted as server latency. A connection per request, none kept alive (as vLLM's and
+    # SGLang's benchmark clients do): llama-server closes kept-alive connections after some requests
+    # without a "Connection: close", and a request sent on one then fails with "Server disconnected
+    # without sending a response" (3-11 of 128 in the shared-prefix benchmark, none this way).
+    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=0)
     return httpx.AsyncClient(
         base_url=server_root(config.base_url), headers=headers, timeout=config.timeout_s, limits=limits
     )

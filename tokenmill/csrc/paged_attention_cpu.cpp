@@ -483,7 +483,10 @@ void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, 
                       prefetch_bytes};
     for (int64_t m = 0; m < num_members; ++m) {
       s.base = members[m].base;
-      if (p.tiles) s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(p.query + members[m].seq * p.q_stride_seq);
+      // Read by the bfloat16 score paths (tiles and AVX512-BF16 vectors); a float32 query (over a
+      // 16-bit cache) has none and takes the float32 path.
+      if (p.query != nullptr)
+        s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(p.query + members[m].seq * p.q_stride_seq);
       for (int64_t kv = kv0; kv < kv1; ++kv)
         for (int64_t g0 = 0; g0 < group; g0 += kHeadTile)
           attend_tile<kChunks>(p, s, chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
 from peers import (
     bundled_gguf,
     cpu_name,
@@ -26,7 +27,7 @@ from peers import (
 )
 from peers import tokenmill_server as tokenmill
 
-from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
+from tokenmill.worker.model_runner import resolve_dtype
 
 
 def main() -> None:
@@ -56,11 +57,10 @@ def main() -> None:
         "own dtype where --dtype auto is bfloat16 (CPUs that compute it), float16 where it is float32",
     )
     args = parser.parse_args()
+    model_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what serve picks
     if args.kv_cache_dtype is None:
-        args.kv_cache_dtype = "auto" if cpu_computes_bfloat16() else "float16"
-    kv_shown = args.kv_cache_dtype
-    if kv_shown == "auto":
-        kv_shown = f"auto ({'bfloat16' if cpu_computes_bfloat16() else 'float32'}, the model's)"
+        args.kv_cache_dtype = "float16" if model_dtype == "float32" else "auto"
+    kv_shown = f"auto ({model_dtype}, the model's)" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
 
     bench_args = [
         "--dataset", "shared-prefix",

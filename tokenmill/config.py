@@ -172,6 +172,11 @@ class SchedulerConfig:
     a row (0: never) before a step serves everyone. ``first_token_pass`` runs a step that finishes
     prompts beside other work in two passes, the finishing prefills first, so that their first
     tokens go out without waiting for the rest (``core/first_token_pass.py``; the CLI's default).
+    ``short_prefill_interrupt`` (0: off, the Python API's default): a request whose prompt needs at
+    most this many tokens computed beyond the prefix cache (as the server estimates it,
+    ``frontend/step_cuts.py``) cuts a step of decodes in flight short (``core/interrupt.py``),
+    so a follow-up turn or an agent's next call waits for no decode pass (the CLI's default: 256
+    tokens on CPUs, where a decode pass takes tens of milliseconds; 0 on accelerators).
     """
 
     max_num_batched_tokens: int = 2048
@@ -188,13 +193,22 @@ class SchedulerConfig:
     ttft_step_fraction: float = 1 / 3
     max_exclusive_steps: int = 4
     first_token_pass: bool = False
+    short_prefill_interrupt: int = 0
 
     def ttft_target_tiers(self) -> set[str]:
         """The names of the tiers with a TTFT target (steps may be cut for their arrivals)."""
         return {tier.name for tier in self.tiers if tier.ttft_slo is not None}
 
+    def cuts_steps(self) -> bool:
+        """Whether some arrivals may cut a step in flight short (``core/interrupt.py``)."""
+        return bool(self.ttft_target_tiers()) or self.short_prefill_interrupt > 0
+
     def validate(self) -> None:
         """Raise ValueError naming the field for tier, fairness and admission settings that cannot work."""
+        if self.short_prefill_interrupt < 0:
+            raise ValueError(
+                f"short_prefill_interrupt must be >= 0 tokens, got {self.short_prefill_interrupt}"
+            )
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {list(ADMISSIONS)}, got {self.admission!r}")
         names = [tier.name for tier in self.tiers]

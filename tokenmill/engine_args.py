@@ -104,6 +104,17 @@ def build_tiers(
     return result
 
 
+# Where a decode pass takes tens of milliseconds (CPUs), a prompt this short is worth cutting one for.
+CPU_SHORT_PREFILL_INTERRUPT = 256
+
+
+def short_prefill_interrupt(tokens: int | None, device: str) -> int:
+    """``--short-prefill-interrupt``: as given, else its default for ``device``."""
+    if tokens is not None:
+        return tokens
+    return CPU_SHORT_PREFILL_INTERRUPT if device.split(":")[0] == "cpu" else 0
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the model, KV-cache and scheduler option groups to ``parser``."""
     model = parser.add_argument_group("model")
@@ -176,6 +187,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="run a step that finishes prompts beside other work in two passes, the finishing prefills "
         "first, so their first tokens do not wait for the decodes (default here; off in the Python API)",
+    )
+    scheduler.add_argument(
+        "--short-prefill-interrupt",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="a request whose prompt needs at most TOKENS tokens computed beyond the prefix cache cuts a "
+        "step of decodes in flight short, so it waits for no decode pass (default here: "
+        f"{CPU_SHORT_PREFILL_INTERRUPT} on CPUs, 0 elsewhere; 0 turns it off; off in the Python API)",
     )
     scheduler.add_argument(
         "--max-waiting", type=int, default=None, help="waiting-queue bound; requests beyond it get 429"
@@ -268,6 +288,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "admission": args.admission,
         "first_token_pass": args.first_token_pass,
+        "short_prefill_interrupt": short_prefill_interrupt(args.short_prefill_interrupt, args.device),
         "max_waiting": args.max_waiting,
         "tiers": build_tiers(args.tier, args.tier_slo),
         "slo_guard_share": args.slo_guard_share,

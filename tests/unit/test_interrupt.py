@@ -7,14 +7,17 @@ layer modules alike: steps cut between layers are redone with the same tokens.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from test_scheduler import prompt_of
 from test_tiers import TierHarness, ids
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import TierConfig
+from tokenmill.config import SchedulerConfig, TierConfig, build_engine_config
 from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
+from tokenmill.engine_args import CPU_SHORT_PREFILL_INTERRUPT, add_engine_args, engine_kwargs
 from tokenmill.layers import fused_cpu
 
 
@@ -54,6 +57,61 @@ def test_only_plans_without_a_protected_first_token_may_be_cut_and_never_two_in_
     assert not h.scheduler.schedule().interruptible
 
 
+def test_for_short_prefills_only_steps_of_decodes_alone_may_be_cut() -> None:
+    # short_prefill_interrupt (no TTFT tier): a redo of a step of decodes costs one token a request;
+    # a step that computes prompt tokens is never cut for it.
+    h = TierHarness(budget=64, short_prefill_interrupt=8)
+    h.add("a", prompt_of(20, 1), max_tokens=8)
+    plan = h.scheduler.schedule()
+    assert ids(plan) == ["a"] and not plan.interruptible  # a's prompt
+    h.finish_step(plan)
+    plan = h.scheduler.schedule()
+    assert plan.interruptible  # a's first decode, alone
+    h.scheduler.step_interrupted(plan)
+    again = h.scheduler.schedule()
+    assert [(e.request_id, e.token_ids) for e in again.scheduled] == [
+        (e.request_id, e.token_ids) for e in plan.scheduled
+    ]
+    assert not again.interruptible  # never two in a row
+    h.finish_step(again)
+    h.add("b", prompt_of(6, 300), max_tokens=4)
+    plan = h.scheduler.schedule()
+    assert ids(plan) == ["a", "b"] and not plan.interruptible  # b's prompt beside a's decode
+    h.finish_step(plan)
+    cut, previous_cut = 0, False
+    while h.scheduler.has_unfinished():
+        plan = h.scheduler.schedule()
+        assert plan.interruptible is not previous_cut  # only steps of decodes are left
+        previous_cut = plan.interruptible
+        if plan.interruptible:
+            h.scheduler.step_interrupted(plan)  # cut every step that may be cut
+            cut += 1
+            continue
+        h.finish_step(plan)
+    assert cut >= 4
+    h.assert_all_blocks_back()
+    h.assert_outputs_match_reference()
+
+
+def test_short_prefills_cut_steps_by_default_on_cpus_in_servers_only() -> None:
+    assert SchedulerConfig().short_prefill_interrupt == 0 and not SchedulerConfig().cuts_steps()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+
+    def scheduler(*argv: str) -> SchedulerConfig:
+        return build_engine_config("m", **engine_kwargs(parser.parse_args(list(argv)))).scheduler
+
+    assert scheduler().short_prefill_interrupt == CPU_SHORT_PREFILL_INTERRUPT == 256
+    assert scheduler().cuts_steps()
+    assert scheduler("--device", "cuda:0").short_prefill_interrupt == 0
+    assert scheduler("--device", "cuda", "--short-prefill-interrupt", "64").short_prefill_interrupt == 64
+    off = scheduler("--short-prefill-interrupt", "0")
+    assert off.short_prefill_interrupt == 0 and not off.cuts_steps()
+    assert scheduler("--short-prefill-interrupt", "0", "--tier-slo", "priority:ttft=0.5").cuts_steps()
+    with pytest.raises(ValueError, match="short_prefill_interrupt must be >= 0 tokens, got -1"):
+        SchedulerConfig(short_prefill_interrupt=-1).validate()
+
+
 def test_a_step_whose_blocks_another_request_shares_is_never_cut() -> None:
     # A redo could plan the sharer without the chunk that writes the blocks it reads.
     shared = prompt_of(12, 100)
@@ -81,8 +139,10 @@ def test_a_step_whose_blocks_another_request_shares_is_never_cut() -> None:
 
 
 @pytest.mark.parametrize("quantization", ["int4", None])  # the fused decode stack; the layer modules
+@pytest.mark.parametrize("rule", ["ttft tier", "short prefill"])
 def test_cut_steps_are_redone_with_the_same_tokens(
     quantization: str | None,
+    rule: str,
     tiny_model,  # type: ignore[no-untyped-def]
     tmp_path,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
@@ -97,7 +157,7 @@ def test_cut_steps_are_redone_with_the_same_tokens(
             quantization=quantization,
             num_blocks=64,
             enable_prefix_caching=False,
-            tiers=slo_tiers(),
+            **({"tiers": slo_tiers()} if rule == "ttft tier" else {"short_prefill_interrupt": 8}),
         )
         core = llm.engine
         if interrupt:
@@ -132,8 +192,8 @@ def test_cut_steps_are_redone_with_the_same_tokens(
     cut, llm = run(interrupt=True)
     assert cut == reference
     core = llm.engine
-    # Every other step was cut (never two in a row), and the blocks all came back.
-    assert core.num_interrupted_steps >= 10
+    # Every other step that may be cut was (never two in a row), and the blocks all came back.
+    assert core.num_interrupted_steps >= (10 if rule == "ttft tier" else 6)
     assert core.kv_manager.pool.num_free == core.kv_manager.num_blocks
     assert bool(stack_calls) == (quantization == "int4")
 

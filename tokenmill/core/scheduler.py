@@ -286,14 +286,7 @@ class Scheduler:
         self._exclusive_streak = self._exclusive_streak + 1 if exclusive else 0
         finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted + num_made_room
-        # A request sharing blocks this step computes cannot be redone without them: not cut.
-        interruptible = (
-            self.tiers.best_ttft_rank is not None
-            and not self._last_step_interrupted
-            and bool(plan)
-            and not self._plans_first_token(plan)
-            and not self._shared_sources
-        )
+        interruptible = self._may_be_cut(plan)
         self._last_step_interrupted = False
         shared_sources, self._shared_sources = self._shared_sources, []
         return SchedulerOutput(
@@ -354,6 +347,22 @@ class Scheduler:
             return None
         ranks = [self.tiers.rank[r.tier] for r in self.requests.values() if self.tiers.awaits_first_token(r)]
         return min(ranks, default=None)
+
+    def _may_be_cut(self, plan: list[ScheduledRequest]) -> bool:
+        """Whether ``plan`` may be abandoned between layers for an arrival (``core/interrupt.py``).
+
+        Never two steps in a row (the running requests always make progress), nor a step where a
+        request shares blocks the step computes (it cannot be redone without them). For a tier with a
+        TTFT target, any step that computes no first token it protects; for a short prefill
+        (``short_prefill_interrupt``), only a step of decodes alone, which is cheap to redo.
+        """
+        if not plan or self._last_step_interrupted or self._shared_sources:
+            return False
+        if self.tiers.best_ttft_rank is not None and not self._plans_first_token(plan):
+            return True
+        return self.config.short_prefill_interrupt > 0 and all(
+            entry.output_token_ids and len(entry.token_ids) == 1 for entry in plan
+        )
 
     def _plans_first_token(self, plan: list[ScheduledRequest]) -> bool:
         """Whether ``plan`` computes tokens of a request awaiting its first token within a TTFT target."""

@@ -34,6 +34,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.frontend.processor import InputProcessor
+from tokenmill.frontend.step_cuts import PrefixEstimate, StepCuts
 from tokenmill.loader import ModelSource, resolve_model
 from tokenmill.protocol import (
     AbortRequests,
@@ -135,6 +136,7 @@ class _Stream:
     changed: asyncio.Event
     arrival: float  # time.monotonic()
     service_tier: str = "default"
+    cache_salt: str | None = None
     error: BaseException | None = None
     rejected: bool = False
     first_token: float | None = None
@@ -173,10 +175,17 @@ class AsyncLLM:
         self.listeners: list[StatsListener] = []
         self._handle = handle
         self._sync_context, self._input, self._async_context, self._output = sockets
-        # Raised after sending a request of a tier with a TTFT target: the engine may cut the step in
-        # flight short for it (core/interrupt.py). None when the engine made no flag.
+        # Raised after sending a request of a tier with a TTFT target, or one whose prompt needs a short
+        # prefill: the engine may cut the step in flight short for it (core/interrupt.py). None when
+        # the engine made no flag.
         self._interrupt = InterruptFlag.attach(handle.socket_dir)
-        self._interrupt_tiers = config.scheduler.ttft_target_tiers()
+        short_prefill = config.scheduler.short_prefill_interrupt
+        estimate = (
+            PrefixEstimate(ready.block_size, ready.num_blocks)
+            if short_prefill > 0 and config.cache.enable_prefix_caching
+            else None
+        )
+        self._step_cuts = StepCuts(config.scheduler.ttft_target_tiers(), short_prefill, estimate)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._streams: dict[str, _Stream] = {}
@@ -295,6 +304,7 @@ class AsyncLLM:
             changed=asyncio.Event(),
             arrival=time.monotonic(),
             service_tier=service_tier,
+            cache_salt=cache_salt,
         )
         self._streams[request_id] = stream
         for core_id in stream.core_ids:
@@ -302,7 +312,9 @@ class AsyncLLM:
         if self.log_requests:
             request_logger.info("request %s received: prompt=%r params=%s", request_id, prompt, params)
         self._send(AddRequests(requests=core_requests))
-        if self._interrupt is not None and service_tier in self._interrupt_tiers:
+        if self._interrupt is not None and self._step_cuts.on_send(
+            service_tier, prompt_token_ids, cache_salt
+        ):
             self._interrupt.raise_()
         try:
             await stream.accepted
@@ -340,6 +352,9 @@ class AsyncLLM:
                 self._send(AbortRequests(request_ids=core_ids))
         if stream.rejected:
             return
+        if state.finished:
+            sequences = [[*state.prompt_token_ids, *sample.token_ids] for sample in state.samples]
+            self._step_cuts.on_finish(stream.cache_salt, sequences)
         self._record_finished(stream)
 
     def _record_finished(self, stream: _Stream) -> None:
@@ -388,7 +403,10 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache; False while running requests still hold cached blocks."""
-        return bool((await self.call_utility("reset_prefix_cache"))["success"])
+        success = bool((await self.call_utility("reset_prefix_cache"))["success"])
+        if success:
+            self._step_cuts.on_cache_reset()
+        return success
 
     async def kv_stats(self) -> dict[str, Any]:
         """Live KV-cache numbers from the engine: free / cached / in-use blocks, queue lengths."""

@@ -330,8 +330,9 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             pid=os.getpid(),
         )
         interrupt = None
-        if config.scheduler.ttft_target_tiers():
-            # A request of a tier with a TTFT target may cut a step short (core/interrupt.py).
+        if config.scheduler.cuts_steps():
+            # A request of a tier with a TTFT target, or one with a short prefill, may cut a step short
+            # (core/interrupt.py).
             interrupt = InterruptFlag.create(socket_dir)
             core.set_interrupt(interrupt)
         output_socket.send(encoder.encode(ready))

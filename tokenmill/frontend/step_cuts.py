@@ -1,0 +1,114 @@
+"""Which arrivals may cut the engine's step in flight short, and the prefix-cache guess that decides it.
+
+``StepCuts`` is the server's rule (``core/interrupt.py``): a request of a tier with a TTFT target, or
+one whose prompt needs at most ``short_prefill_interrupt`` tokens computed beyond the prefix cache
+(a follow-up chat turn, an agent's next call), raises the interrupt flag once sent.
+
+``PrefixEstimate`` is the server's guess of how much of a prompt the engine's prefix cache holds,
+without asking it.
+
+The engine process owns the radix tree (``core/kv/radix_cache.py``); the server process sees only the
+prompts it sends and the tokens that come back. To decide at once whether an arrival needs so little
+prefill that it may cut the engine's decode step in flight short (``core/interrupt.py``), the server
+keeps its own record of the block-aligned prefixes it has sent: a chain hash per full block (each
+block's hash covers every block before it, and the namespace, so equal hashes mean equal prefixes),
+in LRU order, bounded by the engine's block count as the tree is.
+
+It is an estimate: the engine may have evicted what this record still holds, or hold what the record
+has forgotten (an answer's tokens when the stream was abandoned). A wrong guess costs only timing (a
+step cut short that need not have been, or one not cut); outputs never depend on it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixEstimate:
+    """Chain hashes of the full blocks of recent prompts (and answers), most recent last.
+
+    Contract: ``observe`` returns how many of ``token_ids``' tokens the engine would have to compute
+    if its cache held exactly the blocks recorded so far (at least 1: the engine always computes a
+    prompt's last token), then records the sequence's full blocks. ``record`` records only.
+    """
+
+    def __init__(self, block_size: int, capacity_blocks: int) -> None:
+        if block_size < 1 or capacity_blocks < 1:
+            raise ValueError(
+                f"block_size and capacity_blocks must be positive, got {block_size} and {capacity_blocks}"
+            )
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def observe(self, namespace: str | None, token_ids: Sequence[int]) -> int:
+        # The engine matches at most len - 1 tokens, so the last token is always computed.
+        limit = max(0, len(token_ids) - 1) // self.block_size
+        matched = 0
+        for index, chain in enumerate(self._chain(namespace, token_ids)):
+            if index < limit and matched == index and chain in self._blocks:
+                matched += 1
+            self._touch(chain)
+        return len(token_ids) - matched * self.block_size
+
+    def record(self, namespace: str | None, token_ids: Sequence[int]) -> None:
+        for chain in self._chain(namespace, token_ids):
+            self._touch(chain)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def _chain(self, namespace: str | None, token_ids: Sequence[int]) -> list[int]:
+        size = self.block_size
+        chain = hash(("tokenmill-prefix", namespace))
+        hashes = []
+        for start in range(0, len(token_ids) - size + 1, size):
+            chain = hash((chain, tuple(token_ids[start : start + size])))
+            hashes.append(chain)
+        return hashes
+
+    def _touch(self, chain: int) -> None:
+        blocks = self._blocks
+        if chain in blocks:
+            blocks.move_to_end(chain)
+            return
+        blocks[chain] = None
+        if len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+
+class StepCuts:
+    """The server's side of step interrupts: whether a request just sent may cut the step in flight.
+
+    ``ttft_tiers`` are the tiers with a TTFT target (their requests always may); ``short_prefill`` is
+    ``SchedulerConfig.short_prefill_interrupt`` (0: no prompt cuts for its length); ``estimate`` is
+    None when the engine has no prefix cache (every prompt token is then computed).
+    """
+
+    def __init__(self, ttft_tiers: set[str], short_prefill: int, estimate: PrefixEstimate | None) -> None:
+        self.ttft_tiers = ttft_tiers
+        self.short_prefill = short_prefill
+        self.estimate = estimate
+
+    def on_send(self, service_tier: str, prompt_token_ids: Sequence[int], cache_salt: str | None) -> bool:
+        """Whether the request just sent may cut the step in flight short (its prompt is recorded in the
+        estimate either way)."""
+        uncached = len(prompt_token_ids)
+        if self.estimate is not None:
+            uncached = self.estimate.observe(cache_salt, prompt_token_ids)
+        return service_tier in self.ttft_tiers or uncached <= self.short_prefill
+
+    def on_finish(self, cache_salt: str | None, sequences: Sequence[Sequence[int]]) -> None:
+        """A request finished: the engine keeps its sequences' blocks, answers included (the next
+        turn's prefix)."""
+        if self.estimate is not None:
+            for tokens in sequences:
+                self.estimate.record(cache_salt, tokens)
+
+    def on_cache_reset(self) -> None:
+        if self.estimate is not None:
+            self.estimate.clear()

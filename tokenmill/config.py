@@ -250,6 +250,11 @@ class EngineConfig:
 
     ``jump_forward``: when a request's grammar allows exactly one next token, append it without
     sampling (the output is the same; requests asking for logprobs always sample).
+    ``engine_niceness``: how much the server's engine process lowers its own CPU priority (``nice``,
+    0-19; the in-process ``LLM`` ignores it). On a CPU the engine's passes keep every core busy for
+    tens of milliseconds, while the server's work (HTTP, tokenizing, streaming tokens) comes in short
+    bursts that a request's latency waits on: at a lower priority the engine yields to those bursts
+    at once rather than time-slicing with them (``tokenmill serve``'s default on CPUs is 5).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -257,6 +262,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
     jump_forward: bool = True
+    engine_niceness: int = 0
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -275,6 +281,8 @@ class EngineConfig:
             )
         if self.scheduler.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.scheduler.max_num_seqs}")
+        if not 0 <= self.engine_niceness <= 19:
+            raise ValueError(f"engine_niceness must be within 0..19, got {self.engine_niceness}")
         self.scheduler.validate()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:

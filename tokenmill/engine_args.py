@@ -106,13 +106,15 @@ def build_tiers(
 
 # Where a decode pass takes tens of milliseconds (CPUs), a prompt this short is worth cutting one for.
 CPU_SHORT_PREFILL_INTERRUPT = 256
+# On CPUs the engine's passes and the server's work share the cores; the server's comes first.
+CPU_ENGINE_NICENESS = 5
 
 
-def short_prefill_interrupt(tokens: int | None, device: str) -> int:
-    """``--short-prefill-interrupt``: as given, else its default for ``device``."""
-    if tokens is not None:
-        return tokens
-    return CPU_SHORT_PREFILL_INTERRUPT if device.split(":")[0] == "cpu" else 0
+def on_cpu_default(value: int | None, device: str, cpu_default: int) -> int:
+    """An option that defaults to ``cpu_default`` on CPUs and 0 on accelerators: as given, else that."""
+    if value is not None:
+        return value
+    return cpu_default if device.split(":")[0] == "cpu" else 0
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +141,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "kernel (same values, lossless); none turns that off",
     )
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for the engine")
+    model.add_argument(
+        "--engine-niceness",
+        type=int,
+        default=None,
+        help="lower the engine process's CPU priority by this much (nice 0-19), so the server's short "
+        f"bursts of work (HTTP, tokenizing, streaming) never wait behind its passes (default: "
+        f"{CPU_ENGINE_NICENESS} on CPUs, 0 elsewhere)",
+    )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     cache.add_argument(
@@ -278,6 +288,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model_impl": args.model_impl,
         "quantization": args.quantization,
         "num_threads": args.num_threads,
+        "engine_niceness": on_cpu_default(args.engine_niceness, args.device, CPU_ENGINE_NICENESS),
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
         "num_blocks": args.num_blocks,
@@ -288,7 +299,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "admission": args.admission,
         "first_token_pass": args.first_token_pass,
-        "short_prefill_interrupt": short_prefill_interrupt(args.short_prefill_interrupt, args.device),
+        "short_prefill_interrupt": on_cpu_default(
+            args.short_prefill_interrupt, args.device, CPU_SHORT_PREFILL_INTERRUPT
+        ),
         "max_waiting": args.max_waiting,
         "tiers": build_tiers(args.tier, args.tier_slo),
         "slo_guard_share": args.slo_guard_share,

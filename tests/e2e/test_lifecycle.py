@@ -1,6 +1,6 @@
 """Servers of their own: a full waiting queue (429), a killed engine (500 in flight, then 503),
 shutdown by signal with a request in flight (no orphan engine process), and an unknown model (its
-message, no engine left)."""
+message, no engine left); and the engine process's CPU priority."""
 
 from __future__ import annotations
 
@@ -148,3 +148,23 @@ def test_an_unknown_model_ends_serve_with_its_message_and_no_engine_left() -> No
     assert process.returncode == 1
     assert "tokenmill serve: unknown model 'no-such-model'" in stderr
     assert engine_processes_of(process.pid) == []
+
+
+def thread_niceness(pid: int) -> set[int]:
+    """The nice values of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    values = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as stat:
+            values.add(int(stat.read().rsplit(")", 1)[1].split()[16]))
+    return values
+
+
+def test_the_engine_process_yields_the_cpu_to_the_server(tiny_server: ServerProcess) -> None:
+    # On a CPU, serve lowers the engine process's priority by --engine-niceness (default 5), every
+    # thread of it (they inherit it from the thread that starts them); the server keeps its own.
+    with tiny_server.http() as http:
+        assert http.post("/v1/completions", json=SHORT).status_code == 200  # the kernels' threads exist
+    server_niceness = thread_niceness(tiny_server.process.pid)
+    assert len(server_niceness) == 1
+    (base,) = server_niceness
+    assert thread_niceness(tiny_server.engine_pid()) == {min(19, base + 5)}

@@ -298,6 +298,12 @@ def freeze_startup_objects() -> None:
 
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> int:
     """Build the engine, report ready (or why not), and serve; returns the exit code."""
+    if config.engine_niceness:
+        # Before any thread starts (OpenMP's, ZMQ's): on Linux a thread inherits its creator's niceness.
+        os.nice(config.engine_niceness)
+        logger.info(
+            "engine process niceness raised by %d (the server's work comes first)", config.engine_niceness
+        )
     socket_dir = os.path.dirname(input_address.removeprefix("ipc://"))  # made by make_socket_dir
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)

@@ -57,6 +57,9 @@ def test_plans_that_gain_nothing_or_cannot_be_split_run_whole() -> None:
     assert (
         split_first_tokens(SchedulerOutput(scheduled=[finishing, decode], first_token_exclusive=True)) is None
     )
+    # Two requests waiting behind the step would each wait for a second pass too: one pass.
+    assert split_first_tokens(SchedulerOutput(scheduled=[finishing, decode]), num_waiting=1) is not None
+    assert split_first_tokens(SchedulerOutput(scheduled=[finishing, decode]), num_waiting=2) is None
     # "finishing" attends to blocks "chunk" computes in this step: "chunk" must not run after it.
     chunk = entry("chunk", 8, 0, False, [])
     shared = SchedulerOutput(scheduled=[chunk, finishing, decode], shared_sources=["chunk"])
@@ -109,6 +112,44 @@ def test_a_new_prompt_gets_its_first_token_before_the_decodes_run(model) -> None
     while core.has_unfinished_requests():
         step()
     assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}
+
+
+def test_a_step_with_requests_waiting_behind_it_runs_whole(model) -> None:  # type: ignore[no-untyped-def]
+    """Seats for three: a and b decode, c is admitted while d and e wait for seats. A second pass
+    would delay them both, so c's step runs as one pass; once none waits, steps split again."""
+    llm = LLM(
+        model.path,
+        dtype="float32",
+        num_blocks=96,
+        block_size=4,
+        seed=0,
+        first_token_pass=True,
+        max_num_seqs=3,
+    )
+    core = llm.engine
+    prompts = {name: [10 * k + 3 + i for i in range(5 + k)] for k, name in enumerate("abcde")}
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+
+    def step() -> list[str]:
+        outputs = core.step().outputs
+        for output in outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+        return sorted(output.request_id for output in outputs)
+
+    core.add_request(request("a", prompts["a"], 3))
+    core.add_request(request("b", prompts["b"], 3))
+    assert step() == ["a", "b"]
+    for name in "cde":
+        core.add_request(request(name, prompts[name], 3))
+    assert step() == ["a", "b", "c"]  # two wait behind it: one pass
+    assert core.num_split_steps == 0
+    assert step() == ["a", "b", "c"]  # a and b finish
+    assert step() == ["d", "e"]  # both admitted, none waits: their first tokens first,
+    assert step() == ["c"]  # then c's decode as the second pass
+    assert core.num_split_steps == 1
+    while core.has_unfinished_requests():
+        step()
+    assert tokens == {name: model.greedy(prompt, 3) for name, prompt in prompts.items()}
 
 
 def test_a_request_aborted_between_the_passes_is_left_out_of_the_second(model) -> None:  # type: ignore[no-untyped-def]

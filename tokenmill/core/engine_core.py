@@ -172,8 +172,8 @@ class EngineCore:
 
     def _next_pass(self) -> SchedulerOutput:
         """The second pass of the step under way (``core/first_token_pass.py``), without the requests
-        that ended since its first pass; else a new plan, split in two passes where that is on and
-        the plan finishes prompts beside other work."""
+        that ended since its first pass; else a new plan, split in two passes where that is on, the
+        plan finishes prompts beside other work and at most one request waits behind it."""
         if self._second_pass is not None:
             plan, self._second_pass = self._second_pass, None
             requests = self.scheduler.requests
@@ -185,7 +185,7 @@ class EngineCore:
             return plan
         plan = self.scheduler.schedule()
         if self.config.scheduler.first_token_pass:
-            passes = split_first_tokens(plan)
+            passes = split_first_tokens(plan, self.scheduler.num_waiting)
             if passes is not None:
                 plan, self._second_pass = passes
                 self.num_split_steps += 1

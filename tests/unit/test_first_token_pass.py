@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.protocol import EngineCoreRequest
@@ -83,6 +86,19 @@ def request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRe
     )
 
 
+def stepper(core: EngineCore, tokens: dict[str, list[int]]) -> Callable[[], list[str]]:
+    """One ``core.step()`` a call: appends each output's tokens to ``tokens`` and returns the ids
+    that had outputs, sorted."""
+
+    def step() -> list[str]:
+        outputs = core.step().outputs
+        for output in outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+        return sorted(output.request_id for output in outputs)
+
+    return step
+
+
 def test_a_new_prompt_gets_its_first_token_before_the_decodes_run(model) -> None:  # type: ignore[no-untyped-def]
     """Two requests decode; a third arrives. Its step runs as two passes: the first returns only the
     new request's first token, the second the decodes' tokens. Every token equals the reference."""
@@ -94,12 +110,7 @@ def test_a_new_prompt_gets_its_first_token_before_the_decodes_run(model) -> None
         "c": [70 + i for i in range(13)],
     }
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
-
-    def step() -> list[str]:
-        outputs = core.step().outputs
-        for output in outputs:
-            tokens[output.request_id].extend(output.new_token_ids)
-        return sorted(output.request_id for output in outputs)
+    step = stepper(core, tokens)
 
     core.add_request(request("a", prompts["a"], 6))
     core.add_request(request("b", prompts["b"], 6))
@@ -129,12 +140,7 @@ def test_a_step_with_requests_waiting_behind_it_runs_whole(model) -> None:  # ty
     core = llm.engine
     prompts = {name: [10 * k + 3 + i for i in range(5 + k)] for k, name in enumerate("abcde")}
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
-
-    def step() -> list[str]:
-        outputs = core.step().outputs
-        for output in outputs:
-            tokens[output.request_id].extend(output.new_token_ids)
-        return sorted(output.request_id for output in outputs)
+    step = stepper(core, tokens)
 
     core.add_request(request("a", prompts["a"], 3))
     core.add_request(request("b", prompts["b"], 3))

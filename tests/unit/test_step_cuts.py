@@ -73,7 +73,7 @@ def test_short_prefills_and_ttft_tiers_cut_steps() -> None:
     assert cuts.on_send("priority", tokens(60, 800), None)  # a TTFT tier always cuts
     assert cuts.on_send("default", [9] * 8, None)  # short even when cold
     assert not cuts.on_send("default", system + [4, 5, 6], "salted")  # another namespace: cold
-    cuts.on_finish(None, [tokens(30, 1000) + tokens(10, 2000)])
+    cuts.on_finish(None, tokens(30, 1000), [tokens(10, 2000)])
     assert cuts.on_send("default", tokens(30, 1000) + tokens(10, 2000) + [7], None)
     cuts.on_cache_reset()
     assert not cuts.on_send("default", system + [4, 5, 6], None)
@@ -81,6 +81,6 @@ def test_short_prefills_and_ttft_tiers_cut_steps() -> None:
     # Without a prefix cache every prompt token is computed; 0 turns the length rule off.
     no_cache = StepCuts(set(), short_prefill=8, estimate=None)
     assert no_cache.on_send("default", [1] * 8, None) and not no_cache.on_send("default", [1] * 9, None)
-    no_cache.on_finish(None, [[1] * 9])  # nothing to record; no error
+    no_cache.on_finish(None, [1] * 9, [[2]])  # nothing to record; no error
     off = StepCuts(set(), short_prefill=0, estimate=PrefixEstimate(BLOCK, 64))
     assert not off.on_send("default", [1, 2], None)

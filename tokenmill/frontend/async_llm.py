@@ -353,8 +353,8 @@ class AsyncLLM:
         if stream.rejected:
             return
         if state.finished:
-            sequences = [[*state.prompt_token_ids, *sample.token_ids] for sample in state.samples]
-            self._step_cuts.on_finish(stream.cache_salt, sequences)
+            answers = [sample.token_ids for sample in state.samples]
+            self._step_cuts.on_finish(stream.cache_salt, state.prompt_token_ids, answers)
         self._record_finished(stream)
 
     def _record_finished(self, stream: _Stream) -> None:

@@ -1,22 +1,16 @@
 """Which arrivals may cut the engine's step in flight short, and the prefix-cache guess that decides it.
 
-``StepCuts`` is the server's rule (``core/interrupt.py``): a request of a tier with a TTFT target, or
-one whose prompt needs at most ``short_prefill_interrupt`` tokens computed beyond the prefix cache
-(a follow-up chat turn, an agent's next call), raises the interrupt flag once sent.
+``StepCuts`` is the server's side of step interrupts (``core/interrupt.py``): a request of a tier with
+a TTFT target, or one whose prompt needs at most ``short_prefill_interrupt`` tokens computed beyond
+the prefix cache (a follow-up chat turn, an agent's next call), raises the interrupt flag once sent.
 
-``PrefixEstimate`` is the server's guess of how much of a prompt the engine's prefix cache holds,
-without asking it.
-
-The engine process owns the radix tree (``core/kv/radix_cache.py``); the server process sees only the
-prompts it sends and the tokens that come back. To decide at once whether an arrival needs so little
-prefill that it may cut the engine's decode step in flight short (``core/interrupt.py``), the server
-keeps its own record of the block-aligned prefixes it has sent: a chain hash per full block (each
-block's hash covers every block before it, and the namespace, so equal hashes mean equal prefixes),
-in LRU order, bounded by the engine's block count as the tree is.
-
-It is an estimate: the engine may have evicted what this record still holds, or hold what the record
-has forgotten (an answer's tokens when the stream was abandoned). A wrong guess costs only timing (a
-step cut short that need not have been, or one not cut); outputs never depend on it.
+The engine process owns the radix tree; the server process sees only the prompts it sends and the
+tokens that come back. So ``PrefixEstimate`` keeps the server's own record of the block-aligned
+prefixes it has sent: a chain hash per full block (each block's hash covers every block before it and
+the namespace, so equal hashes mean equal prefixes), in LRU order, bounded by the engine's block
+count as the tree is. It is a guess: the engine may have evicted what the record still holds, or hold
+what it has forgotten (an answer's tokens when the stream was abandoned). A wrong guess costs only
+timing (a step cut that need not have been, or one not cut); outputs never depend on it.
 """
 
 from __future__ import annotations
@@ -102,12 +96,14 @@ class StepCuts:
             uncached = self.estimate.observe(cache_salt, prompt_token_ids)
         return service_tier in self.ttft_tiers or uncached <= self.short_prefill
 
-    def on_finish(self, cache_salt: str | None, sequences: Sequence[Sequence[int]]) -> None:
-        """A request finished: the engine keeps its sequences' blocks, answers included (the next
-        turn's prefix)."""
+    def on_finish(
+        self, cache_salt: str | None, prompt_token_ids: Sequence[int], answers: Sequence[Sequence[int]]
+    ) -> None:
+        """A request finished: the engine keeps each of its sequences' blocks, the prompt followed by
+        an answer (the next turn's prefix)."""
         if self.estimate is not None:
-            for tokens in sequences:
-                self.estimate.record(cache_salt, tokens)
+            for answer in answers:
+                self.estimate.record(cache_salt, [*prompt_token_ids, *answer])
 
     def on_cache_reset(self) -> None:
         if self.estimate is not None:

@@ -86,6 +86,13 @@ def request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRe
     )
 
 
+def tiny_llm(model, **overrides: object) -> LLM:  # type: ignore[no-untyped-def]
+    """The tiny model in float32 over 4-token blocks, seed 0, with the first-token pass on and 96
+    blocks unless ``overrides`` say otherwise."""
+    settings: dict[str, object] = {"num_blocks": 96, "first_token_pass": True, **overrides}
+    return LLM(model.path, dtype="float32", block_size=4, seed=0, **settings)
+
+
 def stepper(core: EngineCore, tokens: dict[str, list[int]]) -> Callable[[], list[str]]:
     """One ``core.step()`` a call: appends each output's tokens to ``tokens`` and returns the ids
     that had outputs, sorted."""
@@ -102,7 +109,7 @@ def stepper(core: EngineCore, tokens: dict[str, list[int]]) -> Callable[[], list
 def test_a_new_prompt_gets_its_first_token_before_the_decodes_run(model) -> None:  # type: ignore[no-untyped-def]
     """Two requests decode; a third arrives. Its step runs as two passes: the first returns only the
     new request's first token, the second the decodes' tokens. Every token equals the reference."""
-    llm = LLM(model.path, dtype="float32", num_blocks=96, block_size=4, seed=0, first_token_pass=True)
+    llm = tiny_llm(model)
     core = llm.engine
     prompts = {
         "a": [11 + i for i in range(9)],
@@ -128,15 +135,7 @@ def test_a_new_prompt_gets_its_first_token_before_the_decodes_run(model) -> None
 def test_a_step_with_requests_waiting_behind_it_runs_whole(model) -> None:  # type: ignore[no-untyped-def]
     """Seats for three: a and b decode, c is admitted while d and e wait for seats. A second pass
     would delay them both, so c's step runs as one pass; once none waits, steps split again."""
-    llm = LLM(
-        model.path,
-        dtype="float32",
-        num_blocks=96,
-        block_size=4,
-        seed=0,
-        first_token_pass=True,
-        max_num_seqs=3,
-    )
+    llm = tiny_llm(model, max_num_seqs=3)
     core = llm.engine
     prompts = {name: [10 * k + 3 + i for i in range(5 + k)] for k, name in enumerate("abcde")}
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
@@ -159,7 +158,7 @@ def test_a_step_with_requests_waiting_behind_it_runs_whole(model) -> None:  # ty
 
 
 def test_a_request_aborted_between_the_passes_is_left_out_of_the_second(model) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(model.path, dtype="float32", num_blocks=96, block_size=4, seed=0, first_token_pass=True)
+    llm = tiny_llm(model)
     core = llm.engine
     core.add_request(request("a", [11 + i for i in range(9)], 8))
     core.add_request(request("b", [40 + i for i in range(5)], 8))
@@ -178,15 +177,8 @@ def test_outputs_equal_the_one_pass_engine_under_chunking_and_preemption(model) 
     prompts = [[(13 * k + 7 * i) % 90 + 5 for i in range(6 + 5 * k)] for k in range(8)]
     results = {}
     for split in (False, True):
-        llm = LLM(
-            model.path,
-            dtype="float32",
-            num_blocks=40,
-            block_size=4,
-            max_num_batched_tokens=24,
-            max_num_seqs=4,
-            seed=0,
-            first_token_pass=split,
+        llm = tiny_llm(
+            model, num_blocks=40, max_num_batched_tokens=24, max_num_seqs=4, first_token_pass=split
         )
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(10), use_tqdm=False)
         results[split] = [o.outputs[0].token_ids for o in outputs]

@@ -7,17 +7,14 @@ layer modules alike: steps cut between layers are redone with the same tokens.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from test_scheduler import prompt_of
 from test_tiers import TierHarness, ids
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import SchedulerConfig, TierConfig, build_engine_config
+from tokenmill.config import TierConfig
 from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
-from tokenmill.engine_args import CPU_SHORT_PREFILL_INTERRUPT, add_engine_args, engine_kwargs
 from tokenmill.layers import fused_cpu
 
 
@@ -91,25 +88,6 @@ def test_for_short_prefills_only_steps_of_decodes_alone_may_be_cut() -> None:
     assert cut >= 4
     h.assert_all_blocks_back()
     h.assert_outputs_match_reference()
-
-
-def test_short_prefills_cut_steps_by_default_on_cpus_in_servers_only() -> None:
-    assert SchedulerConfig().short_prefill_interrupt == 0 and not SchedulerConfig().cuts_steps()
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-
-    def scheduler(*argv: str) -> SchedulerConfig:
-        return build_engine_config("m", **engine_kwargs(parser.parse_args(list(argv)))).scheduler
-
-    assert scheduler().short_prefill_interrupt == CPU_SHORT_PREFILL_INTERRUPT == 256
-    assert scheduler().cuts_steps()
-    assert scheduler("--device", "cuda:0").short_prefill_interrupt == 0
-    assert scheduler("--device", "cuda", "--short-prefill-interrupt", "64").short_prefill_interrupt == 64
-    off = scheduler("--short-prefill-interrupt", "0")
-    assert off.short_prefill_interrupt == 0 and not off.cuts_steps()
-    assert scheduler("--short-prefill-interrupt", "0", "--tier-slo", "priority:ttft=0.5").cuts_steps()
-    with pytest.raises(ValueError, match="short_prefill_interrupt must be >= 0 tokens, got -1"):
-        SchedulerConfig(short_prefill_interrupt=-1).validate()
 
 
 def test_a_step_whose_blocks_another_request_shares_is_never_cut() -> None:

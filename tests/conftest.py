@@ -65,6 +65,13 @@ TINY_SPECS: dict[str, TinySpec] = {
     "wide-heads": TinySpec(
         "llama", "LlamaConfig", {"num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": False}
     ),
+    # Llama with four layers, for passes stopped and resumed between inner layers (named to sort
+    # after the others, whose weight seeds follow the sorted names).
+    "x-four-layers": TinySpec(
+        "llama",
+        "LlamaConfig",
+        {"num_key_value_heads": 2, "num_hidden_layers": 4, "tie_word_embeddings": False},
+    ),
 }
 
 

@@ -174,9 +174,10 @@ class SchedulerConfig:
     tokens go out without waiting for the rest (``core/first_token_pass.py``; the CLI's default).
     ``short_prefill_interrupt`` (0: off, the Python API's default): a request whose prompt needs at
     most this many tokens computed beyond the prefix cache (as the server estimates it,
-    ``frontend/step_cuts.py``) cuts a step of decodes in flight short (``core/interrupt.py``),
-    so a follow-up turn or an agent's next call waits for no decode pass (the CLI's default: 256
-    tokens on CPUs, where a decode pass takes tens of milliseconds; 0 on accelerators).
+    ``frontend/step_cuts.py``) pauses the step in flight between layers and runs in a pass of its
+    own before the step goes on (``core/interrupt.py``), so a follow-up turn or an agent's next call
+    waits neither for a decode pass nor for another's long prefill (the CLI's default: 256 tokens on
+    CPUs, where a pass takes tens to hundreds of milliseconds; 0 on accelerators).
     """
 
     max_num_batched_tokens: int = 2048

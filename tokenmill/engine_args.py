@@ -203,8 +203,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="TOKENS",
-        help="a request whose prompt needs at most TOKENS tokens computed beyond the prefix cache cuts a "
-        "step of decodes in flight short, so it waits for no decode pass (default here: "
+        help="a request whose prompt needs at most TOKENS tokens computed beyond the prefix cache pauses "
+        "the step in flight between layers and runs first, so it waits for no decode pass or long "
+        "prefill (default here: "
         f"{CPU_SHORT_PREFILL_INTERRUPT} on CPUs, 0 elsewhere; 0 turns it off; off in the Python API)",
     )
     scheduler.add_argument(

@@ -1,8 +1,10 @@
-"""Step interrupts (``core/interrupt.py``): a latency-critical arrival abandons the step in flight.
+"""Step interrupts (``core/interrupt.py``): a TTFT tier's arrival abandons the step in flight.
 
 Scheduler-level with the fake model of ``test_scheduler`` (which plans may be cut, and that an
 abandoned plan changes nothing), then through the real engine on tiny models, fused decode stack and
-layer modules alike: steps cut between layers are redone with the same tokens.
+layer modules alike: steps cut between layers are redone, and steps paused for short prefills go on,
+with the same tokens; the fused stack stops before a layer and goes on from there bit for bit.
+(Pauses themselves: ``test_paused_steps.py``.)
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from test_tiers import TierHarness, ids
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import TierConfig
+from tokenmill.core.engine_core import MAX_PAUSES_PER_STEP
 from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
 from tokenmill.layers import fused_cpu
+from tokenmill.worker.forward_batch import LayerProgress
 
 
 def slo_tiers() -> list[TierConfig]:
@@ -54,42 +58,6 @@ def test_only_plans_without_a_protected_first_token_may_be_cut_and_never_two_in_
     assert not h.scheduler.schedule().interruptible
 
 
-def test_for_short_prefills_only_steps_of_decodes_alone_may_be_cut() -> None:
-    # short_prefill_interrupt (no TTFT tier): a redo of a step of decodes costs one token a request;
-    # a step that computes prompt tokens is never cut for it.
-    h = TierHarness(budget=64, short_prefill_interrupt=8)
-    h.add("a", prompt_of(20, 1), max_tokens=8)
-    plan = h.scheduler.schedule()
-    assert ids(plan) == ["a"] and not plan.interruptible  # a's prompt
-    h.finish_step(plan)
-    plan = h.scheduler.schedule()
-    assert plan.interruptible  # a's first decode, alone
-    h.scheduler.step_interrupted(plan)
-    again = h.scheduler.schedule()
-    assert [(e.request_id, e.token_ids) for e in again.scheduled] == [
-        (e.request_id, e.token_ids) for e in plan.scheduled
-    ]
-    assert not again.interruptible  # never two in a row
-    h.finish_step(again)
-    h.add("b", prompt_of(6, 300), max_tokens=4)
-    plan = h.scheduler.schedule()
-    assert ids(plan) == ["a", "b"] and not plan.interruptible  # b's prompt beside a's decode
-    h.finish_step(plan)
-    cut, previous_cut = 0, False
-    while h.scheduler.has_unfinished():
-        plan = h.scheduler.schedule()
-        assert plan.interruptible is not previous_cut  # only steps of decodes are left
-        previous_cut = plan.interruptible
-        if plan.interruptible:
-            h.scheduler.step_interrupted(plan)  # cut every step that may be cut
-            cut += 1
-            continue
-        h.finish_step(plan)
-    assert cut >= 4
-    h.assert_all_blocks_back()
-    h.assert_outputs_match_reference()
-
-
 def test_a_step_whose_blocks_another_request_shares_is_never_cut() -> None:
     # A redo could plan the sharer without the chunk that writes the blocks it reads.
     shared = prompt_of(12, 100)
@@ -118,7 +86,7 @@ def test_a_step_whose_blocks_another_request_shares_is_never_cut() -> None:
 
 @pytest.mark.parametrize("quantization", ["int4", None])  # the fused decode stack; the layer modules
 @pytest.mark.parametrize("rule", ["ttft tier", "short prefill"])
-def test_cut_steps_are_redone_with_the_same_tokens(
+def test_cut_steps_are_redone_and_paused_ones_go_on_with_the_same_tokens(
     quantization: str | None,
     rule: str,
     tiny_model,  # type: ignore[no-untyped-def]
@@ -170,14 +138,22 @@ def test_cut_steps_are_redone_with_the_same_tokens(
     cut, llm = run(interrupt=True)
     assert cut == reference
     core = llm.engine
-    # Every other step that may be cut was (never two in a row), and the blocks all came back.
-    assert core.num_interrupted_steps >= (10 if rule == "ttft tier" else 6)
+    if rule == "ttft tier":
+        # Every other step that may be cut was (never two in a row).
+        assert core.num_interrupted_steps >= 10 and core.num_paused_steps == 0
+    else:
+        # Short prefills pause steps (before the first layer here), never abandon them; a step pauses
+        # at most MAX_PAUSES_PER_STEP times, then runs to the end.
+        assert core.num_interrupted_steps == 0 and core.num_paused_steps >= 3 * MAX_PAUSES_PER_STEP
+    # The blocks all came back.
     assert core.kv_manager.pool.num_free == core.kv_manager.num_blocks
     assert bool(stack_calls) == (quantization == "int4")
 
 
-def test_the_fused_stack_stops_before_a_layer_when_the_flag_is_raised(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(tiny_model("llama").path, dtype="bfloat16", quantization="int4", num_blocks=16)
+def test_the_fused_stack_stops_before_a_layer_when_the_flag_is_raised_and_goes_on_from_there(
+    tiny_model,
+) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(tiny_model("x-four-layers").path, dtype="bfloat16", quantization="int4", num_blocks=16)
     recorded: list[tuple[tuple[object, ...], torch.Tensor]] = []
     original = fused_cpu.llama_decode_stack
 
@@ -192,9 +168,22 @@ def test_the_fused_stack_stops_before_a_layer_when_the_flag_is_raised(tiny_model
         patch.setattr(fused_cpu, "llama_decode_stack", recording)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     (hidden, *args), out = recorded[-1]
+    *args, _ = args  # the interrupt, passed below
     raised, lowered = torch.ones(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
-    with pytest.raises(StepInterrupted, match="latency-critical"):
-        original(hidden.clone(), *args[:-1], raised)
-    assert torch.equal(original(hidden.clone(), *args[:-1], lowered), out)
+    assert torch.equal(original(hidden.clone(), *args, lowered), out)
+    with pytest.raises(StepInterrupted, match="latency-critical") as stopped:
+        original(hidden.clone(), *args, raised)
+    progress = stopped.value.progress
+    assert isinstance(progress, LayerProgress) and progress.next_layer == 0 and progress.residual is None
+    # A resumed call runs one layer before it reads the flag again; from where it stops, the rest of
+    # the stack gives the same bits as one call.
+    for layer in (1, 2):
+        with pytest.raises(StepInterrupted) as stopped:
+            original(hidden, *args, raised, resume_from=progress)
+        progress = stopped.value.progress
+        assert progress.next_layer == layer and progress.residual is not None
+    assert torch.equal(original(hidden, *args, lowered, resume_from=progress), out)
+    with pytest.raises(RuntimeError, match="takes the residual stream"):
+        original(hidden, *args, lowered, resume_from=LayerProgress(2, progress.hidden, None))
     with pytest.raises(RuntimeError, match="interrupt must be a uint8 CPU tensor"):
-        original(hidden.clone(), *args[:-1], torch.ones(1))
+        original(hidden.clone(), *args, torch.ones(1))

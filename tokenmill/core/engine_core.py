@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
-from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
+from tokenmill.core.interrupt import InterruptFlag, StepInterrupted, StepPaused
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 # the steps' token and sequence counts vary apart and the step-time model can tell their costs apart.
 WARM_UP_PROMPT_LENGTHS = (24, 160, 8, 320, 64, 40)
 WARM_UP_OUTPUT_TOKENS = 4
+# How often one step may pause for arrivals with short prefills: each pause delays its requests by
+# one short pass, and the bound keeps them moving under a stream of arrivals.
+MAX_PAUSES_PER_STEP = 3
 
 
 def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_tokens: int) -> int:
@@ -47,6 +51,18 @@ def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_
         )
         wanted = capacity_tokens
     return wanted
+
+
+@dataclass
+class PausedStep:
+    """A planned step the executor paused between layers (``StepPaused``): its plan, what the
+    executor goes on from, how often it paused, and whether the arrivals' pass ran since the last
+    pause."""
+
+    plan: SchedulerOutput
+    suspended: object
+    num_pauses: int = 1
+    beside_ran: bool = False
 
 
 class EngineCore:
@@ -76,6 +92,11 @@ class EngineCore:
         self._second_pass: SchedulerOutput | None = None
         self.num_split_steps = 0  # steps run as a first-token pass and a second pass
         self.num_interrupted_steps = 0  # steps abandoned for a latency-critical arrival
+        # A step paused between layers for arrivals' short prefills, and the aborts of its requests
+        # that wait for it to end (core/interrupt.py).
+        self._paused: PausedStep | None = None
+        self._aborted_while_paused: list[str] = []
+        self.num_paused_steps = 0  # pauses, counting each of a step that paused more than once
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
         )
@@ -120,7 +141,7 @@ class EngineCore:
                 self.step()
         finally:
             self.scheduler = scheduler
-            self._second_pass = None
+            self._second_pass = self._paused = None
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_queried_tokens = self.kv_manager.prefix_hit_tokens = 0
         return time.perf_counter() - started
@@ -140,12 +161,20 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish the given requests with reason ``abort`` (unknown ids are ignored). Those of a paused
+        step are finished when it has run to the end (their blocks are its to write until then)."""
+        if self._paused is not None:
+            in_paused = {entry.request_id for entry in self._paused.plan.scheduled}
+            self._aborted_while_paused += [i for i in request_ids if i in in_paused]
+            request_ids = [i for i in request_ids if i not in in_paused]
         return self.scheduler.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._second_pass is not None
+        return self.scheduler.has_unfinished() or self._second_pass is not None or self._paused is not None
 
     def step(self) -> EngineCoreOutputs:
+        if self._paused is not None:
+            return self._step_while_paused(self._paused)
         failed = self._fail_broken_grammars()
         forced_before = self.scheduler.num_forced_tokens_total
         started = time.perf_counter()
@@ -161,14 +190,54 @@ class EngineCore:
             # is planned again after that request's step (core/interrupt.py).
             self.scheduler.step_interrupted(plan)
             self.num_interrupted_steps += 1
-            return self._outputs(failed, plan, forced_before)
+            return self._outputs(failed, plan.num_preempted, forced_before)
+        except StepPaused as paused:
+            # Paused between layers for arrivals with short prefills: their pass runs next, then
+            # this one goes on (core/interrupt.py).
+            self._paused = PausedStep(plan, paused.suspended)
+            self.num_paused_steps += 1
+            return self._outputs(failed, plan.num_preempted, forced_before)
         outputs = failed + self.scheduler.update(plan, result)
-        # What a request arriving now waits for: the scheduler learns step times from these. The
-        # first step pays one-time costs (lazy initialization, cold caches) and is not recorded.
+        self._record_step_time(plan, started)
+        return self._outputs(outputs, plan.num_preempted, forced_before)
+
+    def _step_while_paused(self, paused: PausedStep) -> EngineCoreOutputs:
+        """A step while a planned step is paused: the arrivals' pass (``Scheduler.schedule_beside``),
+        once per pause and when it has requests; else the paused step goes on, and may pause again
+        until it has paused ``MAX_PAUSES_PER_STEP`` times."""
+        forced_before = self.scheduler.num_forced_tokens_total
+        started = time.perf_counter()
+        if not paused.beside_ran:
+            paused.beside_ran = True
+            beside = self.scheduler.schedule_beside()
+            if not beside.is_empty:
+                beside.grammar_bitmask = self.structured.step_bitmask(
+                    beside.scheduled, self.scheduler.requests
+                )
+                outputs = self.scheduler.update(beside, self.executor.execute(beside))
+                self._record_step_time(beside, started)
+                return self._outputs(outputs, 0, forced_before)
+        try:
+            result = self.executor.resume(paused.suspended, paused.num_pauses < MAX_PAUSES_PER_STEP)
+        except StepPaused:
+            paused.num_pauses += 1
+            paused.beside_ran = False
+            self.num_paused_steps += 1
+            return self._outputs([], 0, forced_before)
+        self._paused = None
+        # Aborted while paused: the step wrote their blocks to the end, so only now may they go.
+        aborted, self._aborted_while_paused = self._aborted_while_paused, []
+        self.scheduler.abort(aborted)
+        outputs = self.scheduler.update(paused.plan, result)
+        return self._outputs(outputs, 0, forced_before)
+
+    def _record_step_time(self, plan: SchedulerOutput, started: float) -> None:
+        """Tell the scheduler how long ``plan`` took from ``started``: what a request arriving now
+        waits for. The first step pays one-time costs (lazy initialization, cold caches) and is not
+        recorded; neither is a step that paused (its time includes another pass)."""
         if self._timed_a_step:
             self.scheduler.record_step_time(plan, time.perf_counter() - started)
         self._timed_a_step = self._timed_a_step or not plan.is_empty
-        return self._outputs(outputs, plan, forced_before)
 
     def _next_pass(self) -> SchedulerOutput:
         """The second pass of the step under way (``core/first_token_pass.py``), without the requests
@@ -188,6 +257,8 @@ class EngineCore:
             passes = split_first_tokens(plan, self.scheduler.num_waiting)
             if passes is not None:
                 plan, self._second_pass = passes
+                # The rest computes no first token: it may pause for short prefills (Scheduler._may_pause).
+                self._second_pass.pausable = self.config.scheduler.short_prefill_interrupt > 0
                 self.num_split_steps += 1
         return plan
 
@@ -197,7 +268,7 @@ class EngineCore:
         self.executor.set_interrupt(flag)
 
     def _outputs(
-        self, outputs: list[EngineCoreOutput], plan: SchedulerOutput, forced_before: int
+        self, outputs: list[EngineCoreOutput], num_preempted: int, forced_before: int
     ) -> EngineCoreOutputs:
         return EngineCoreOutputs(
             outputs=outputs,
@@ -205,7 +276,7 @@ class EngineCore:
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_manager.usage(),
-            num_preemptions=plan.num_preempted,
+            num_preemptions=num_preempted,
             prefix_cache_queried_tokens=self.kv_manager.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv_manager.prefix_hit_tokens,
             num_running_by_tier=self.scheduler.running_by_tier(),

@@ -1,19 +1,29 @@
-"""Step interrupts: a latency-critical arrival cuts the step in flight short between layers.
+"""Step interrupts: a latency-critical arrival stops the step in flight between layers.
 
 A request that arrives during a step otherwise waits for that step to end, then for its own prefill.
 Two kinds of arrival do not wait (the server decides, ``frontend/step_cuts.py``): a request of a
 tier with a TTFT target (``core/tiers.py`` also keeps worse tiers' steps short for it), and, with
 ``SchedulerConfig.short_prefill_interrupt``, one whose prompt needs only a short prefill beyond the
-prefix cache (a follow-up turn, an agent's next call: on a CPU its prefill costs about what the
-decode pass in flight does, so waiting for that pass would double its time to first token). With
-an interrupt the server raises a one-byte flag in shared memory right after sending such a request;
-the model checks it between decoder layers and abandons the step (``StepInterrupted``). Nothing of
-the step is kept: the scheduler's state is as it was planned (no tokens counted, no outputs, blocks
-already reserved stay reserved for the same tokens), and those tokens are planned again after the
-new request's step. The keys and values the abandoned layers wrote go to the same slots when the
-step is redone. Only plans the scheduler marks ``interruptible`` are cut (``Scheduler._may_be_cut``:
-for TTFT tiers none that compute a protected first token, for short prefills only steps of decodes
-alone, and never two in a row), so the running requests always make progress.
+prefix cache (a follow-up turn, an agent's next call: on a CPU its prefill costs about what a decode
+pass does, and a fraction of another request's long prefill, so waiting for the pass in flight would
+double its time to first token or worse). The server raises a one-byte flag in shared memory right
+after sending such a request; the model checks it between decoder layers and stops
+(``StepInterrupted``, with how far it got). What happens to the stopped step depends on its plan:
+
+- **Paused** (plans the scheduler marks ``pausable``, for short prefills: any step but one that
+  finishes a short prefill itself, ``Scheduler._may_pause``). The executor keeps the step's batch and
+  the hidden states and residual stream going into the next layer (``StepPaused``); the engine core
+  reads its input, runs a pass of its own for the waiting requests with short prefills
+  (``Scheduler.schedule_beside``: no preemption, no running request), sends their first tokens,
+  then goes on with the paused step from that layer. Nothing is computed twice. A step pauses at most
+  ``MAX_PAUSES_PER_STEP`` times and a resumed pass runs a layer before it stops again, so its
+  requests keep moving; aborts of its requests wait until it ends (their blocks are its to write).
+- **Abandoned** (plans the scheduler marks ``interruptible``, for TTFT tiers: any step that computes
+  no first token such a tier protects, never two in a row, ``Scheduler._may_be_cut``). Nothing of
+  the step is kept: the scheduler's state is as it was planned (no tokens counted, no outputs, blocks
+  already reserved stay reserved for the same tokens), and those tokens are planned again after the
+  new request's step, which may serve only that tier. The keys and values the abandoned layers wrote
+  go to the same slots when the step is redone.
 
 The flag is a one-byte file in the folder of the engine's ipc sockets, mapped by both processes:
 the engine process creates it; the server sets it; the engine clears it before it reads its input.
@@ -29,7 +39,22 @@ FLAG_FILE = "interrupt"
 
 
 class StepInterrupted(Exception):
-    """The model abandoned the step between layers because the interrupt flag was raised."""
+    """The model stopped the step before a layer because the interrupt flag was raised. ``progress``
+    is where (the worker's ``LayerProgress``: the layer to run next and its inputs), which a paused
+    step resumes from; an abandoned step drops it."""
+
+    def __init__(self, message: str, progress: object = None) -> None:
+        super().__init__(message)
+        self.progress = progress
+
+
+class StepPaused(Exception):
+    """The executor suspended a pausable step between layers. ``suspended`` is what it needs to go on
+    (opaque to the core): hand it to ``resume`` once the arrival's own pass has run."""
+
+    def __init__(self, suspended: object) -> None:
+        super().__init__("the step was paused between layers for an arrival")
+        self.suspended = suspended
 
 
 class InterruptFlag:

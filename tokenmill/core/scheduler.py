@@ -95,6 +95,8 @@ class SchedulerOutput:
     first_token_exclusive: bool = False
     # The model may abandon this step between layers for a latency-critical arrival (core/interrupt.py).
     interruptible: bool = False
+    # The model may pause this step between layers for an arrival's short prefill, and go on after it.
+    pausable: bool = False
     # Requests whose blocks computed in this step other requests of it attend to (same-step prefix
     # sharing): the step's keys and values must be written before those requests attend.
     shared_sources: list[str] = field(default_factory=list)
@@ -295,8 +297,45 @@ class Scheduler:
             num_preempted=num_preempted + num_made_room,
             first_token_exclusive=exclusive,
             interruptible=interruptible,
+            pausable=self._may_pause(plan),
             shared_sources=shared_sources,
         )
+
+    def schedule_beside(self) -> SchedulerOutput:
+        """A pass of its own for the waiting requests with a short prefill, while a planned step the
+        model paused between layers waits to go on (``core/interrupt.py``).
+
+        Admits, in class and policy order, each waiting request whose prompt needs at most
+        ``short_prefill_interrupt`` tokens beyond the prefix cache, computing all of them, within
+        the step's token budget and the seat limits; never preempts (the paused step's requests
+        keep their blocks) and plans no running request. Requests that wait for blocks a running
+        request computes (a shared prefix in flight, an n > 1 sibling) are left to the next plan.
+        The plan is neither interruptible nor pausable and may be empty.
+        """
+        plan: list[ScheduledRequest] = []
+        tokens_left = self.config.max_num_batched_tokens
+        for key in sorted(self.waiting.class_keys()):
+            for request in self.waiting.ordered_in(key):
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                num_new = request.num_tokens - self.kv.peek_prefix_tokens(request)
+                if (
+                    num_new > min(self.config.short_prefill_interrupt, tokens_left)
+                    or self._tier_is_full(request.tier)
+                    or not self._grammar_ready(request)
+                    or self._sibling_leader(request) is not None
+                    or self._prefix_in_flight(key, request)
+                ):
+                    continue
+                request.num_computed_tokens = self.kv.match_prefix(request)
+                num_new = request.num_tokens - request.num_computed_tokens
+                if not self.kv.allocate_slots(request, num_new):
+                    self.kv.free(request.request_id)
+                    request.num_computed_tokens = 0
+                    return SchedulerOutput(scheduled=plan)  # no blocks without preemption
+                self._start_running(request, request.num_computed_tokens, plan)
+                tokens_left -= num_new
+        return SchedulerOutput(scheduled=plan)
 
     def step_interrupted(self, plan: SchedulerOutput) -> None:
         """``plan`` was abandoned between layers (``core/interrupt.py``): nothing of it was computed, so
@@ -353,15 +392,24 @@ class Scheduler:
 
         Never two steps in a row (the running requests always make progress), nor a step where a
         request shares blocks the step computes (it cannot be redone without them). For a tier with a
-        TTFT target, any step that computes no first token it protects; for a short prefill
-        (``short_prefill_interrupt``), only a step of decodes alone, which is cheap to redo.
+        TTFT target, any step that computes no first token it protects.
         """
         if not plan or self._last_step_interrupted or self._shared_sources:
             return False
-        if self.tiers.best_ttft_rank is not None and not self._plans_first_token(plan):
-            return True
-        return self.config.short_prefill_interrupt > 0 and all(
-            entry.output_token_ids and len(entry.token_ids) == 1 for entry in plan
+        return self.tiers.best_ttft_rank is not None and not self._plans_first_token(plan)
+
+    def _may_pause(self, plan: list[ScheduledRequest]) -> bool:
+        """Whether ``plan`` may be paused between layers for arrivals with a short prefill
+        (``short_prefill_interrupt``; ``schedule_beside``): any step but one that finishes a short
+        prefill itself, whose first token would wait as long as the arrival's saves."""
+        limit = self.config.short_prefill_interrupt
+        return (
+            limit > 0
+            and bool(plan)
+            and not any(
+                entry.sample and not entry.output_token_ids and len(entry.token_ids) <= limit
+                for entry in plan
+            )
         )
 
     def _plans_first_token(self, plan: list[ScheduledRequest]) -> bool:
@@ -466,16 +514,23 @@ class Scheduler:
                     # Head-of-line: do not let later or worse requests jump the queue for blocks.
                     return False, num_made_room
                 num_made_room += 1
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = computed
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.append(self._plan_entry(request, num_new))
+            self._start_running(request, computed, plan, num_new)
             budget.take(tier.name, num_new)
             if self._admissions_left is not None:
                 self._admissions_left -= 1
         return True, num_made_room
+
+    def _start_running(
+        self, request: Request, computed: int, plan: list[ScheduledRequest], num_new: int | None = None
+    ) -> None:
+        """Move an admitted waiting request (``computed`` tokens cached, blocks allocated) to the
+        running ones, with ``num_new`` of its tokens (default: all the rest) in ``plan``."""
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = computed
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.append(self._plan_entry(request, request.num_tokens - computed if num_new is None else num_new))
 
     def _admission_cap(self) -> int | None:
         """How many waiting requests the step being planned may admit: None (as many as the budget

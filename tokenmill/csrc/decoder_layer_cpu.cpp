@@ -43,9 +43,14 @@
 //                paged_attention_decode with block_tables[d] and seq_lens[d]
 //   final_norm   [hidden] in hidden's dtype
 //   interrupt    None or [1] uint8 in memory another process may write (core/interrupt.py): read
-//                before each layer; once nonzero the step is abandoned there
-//   returns      [S, hidden] in hidden's dtype: the final norm's output (the LM head's input), or [0, hidden]
-//                when interrupted
+//                before each layer (but the first of a resumed call); once nonzero the call stops there
+//   start_layer  with residual, a resumed call: the layer to go on from, hidden and residual being what a
+//   residual     stopped call returned (the input of that layer and the residual stream, [0] before the
+//                first layer); without, 0 and hidden is the embeddings
+//   returns      (out, residual, next_layer): when every layer ran, next_layer = L and out [S, hidden] is
+//                the final norm's output (the LM head's input); when the interrupt stopped the call
+//                before layer l, next_layer = l, out is that layer's input and residual the residual
+//                stream ([0] before the first layer): pass them back with start_layer = l to go on
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -59,6 +64,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -199,7 +205,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
   return linear(ops::silu_and_mul(gate_up), 3);              // [S, hidden]
 }
 
-at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& weights,
+std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& weights,
                               const c10::List<std::optional<at::Tensor>>& biases,
                               const std::vector<at::Tensor>& kv_caches, const at::Tensor& positions,
                               const at::Tensor& cos_cache, const at::Tensor& sin_cache, const at::Tensor& slot_mapping,
@@ -207,7 +213,8 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                               int64_t window, const std::optional<at::Tensor>& interrupt,
                               const std::optional<at::Tensor>& chunk_spans, const std::optional<at::Tensor>& chunk_tables,
-                              const std::optional<at::Tensor>& decode_rows) {
+                              const std::optional<at::Tensor>& decode_rows, int64_t start_layer,
+                              const std::optional<at::Tensor>& residual) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0, "kv_caches must hold one cache per layer, got none");
   const size_t per_layer = weights.size() / layers;
@@ -257,14 +264,27 @@ at::Tensor llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& 
                 "interrupt must be a uint8 CPU tensor of at least one element");
     flag = interrupt->data_ptr<uint8_t>();
   }
+  TORCH_CHECK(start_layer >= 0 && static_cast<size_t>(start_layer) < layers, "start_layer must be in [0, ",
+              layers, "), got ", start_layer);
+  const bool resumed = residual.has_value();
+  TORCH_CHECK((start_layer > 0) == (resumed && residual->numel() > 0),
+              "a call resumed past the first layer takes the residual stream its stopped call returned");
   at::Tensor skip;  // the residual stream: undefined until the first layer makes `hidden` it
-  for (size_t layer = 0; layer < layers; ++layer) {
-    if (flag != nullptr && *flag != 0) return at::empty({0, hidden.size(1)}, hidden.options());
+  if (start_layer > 0) {
+    TORCH_CHECK(residual->sizes() == hidden.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == hidden.scalar_type(),
+                "the residual stream must be contiguous and of hidden's shape and dtype");
+    skip = *residual;
+  }
+  for (size_t layer = static_cast<size_t>(start_layer); layer < layers; ++layer) {
+    // A resumed call runs at least one layer, so every call makes progress.
+    if (flag != nullptr && *flag != 0 && (layer > static_cast<size_t>(start_layer) || !resumed))
+      return {hidden, skip.defined() ? skip : at::empty({0}, hidden.options()), static_cast<int64_t>(layer)};
     hidden = decode_layer(hidden, skip, all_weights.slice(per_layer * layer, per_layer), *layout, biases,
                           kNumProjections * layer, kv_caches[layer], step);  // [S, hidden]
   }
   ops::add_rms_norm(hidden, skip, final_norm, eps);
-  return hidden;
+  return {hidden, skip, static_cast<int64_t>(layers)};
 }
 
 }  // namespace
@@ -276,7 +296,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "Tensor positions, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int window, Tensor? interrupt=None, Tensor? chunk_spans=None, Tensor? chunk_tables=None, "
-      "Tensor? decode_rows=None) -> Tensor");
+      "Tensor? decode_rows=None, int start_layer=0, Tensor? residual=None) -> (Tensor, Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }

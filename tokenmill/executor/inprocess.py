@@ -6,7 +6,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.loader import ModelSource
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, SuspendedStep
 
 
 class InProcessExecutor:
@@ -26,6 +26,11 @@ class InProcessExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(plan)
+
+    def resume(self, suspended: object, may_pause: bool) -> ModelRunnerOutput:
+        """Go on with a paused step (``StepPaused.suspended``); see ``ModelRunner.resume``."""
+        assert isinstance(suspended, SuspendedStep)
+        return self.runner.resume(suspended, may_pause)
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """See ``ModelRunner.set_interrupt``."""

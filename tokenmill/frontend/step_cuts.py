@@ -1,8 +1,9 @@
-"""Which arrivals may cut the engine's step in flight short, and the prefix-cache guess that decides it.
+"""Which arrivals may stop the engine's step in flight, and the prefix-cache guess that decides it.
 
 ``StepCuts`` is the server's side of step interrupts (``core/interrupt.py``): a request of a tier with
-a TTFT target, or one whose prompt needs at most ``short_prefill_interrupt`` tokens computed beyond
-the prefix cache (a follow-up chat turn, an agent's next call), raises the interrupt flag once sent.
+a TTFT target (the step may be cut short), or one whose prompt needs at most
+``short_prefill_interrupt`` tokens computed beyond the prefix cache (a follow-up chat turn, an
+agent's next call; the step may pause for it), raises the interrupt flag once sent.
 
 The engine process owns the radix tree; the server process sees only the prompts it sends and the
 tokens that come back. So ``PrefixEstimate`` keeps the server's own record of the block-aligned
@@ -10,7 +11,7 @@ prefixes it has sent: a chain hash per full block (each block's hash covers ever
 the namespace, so equal hashes mean equal prefixes), in LRU order, bounded by the engine's block
 count as the tree is. It is a guess: the engine may have evicted what the record still holds, or hold
 what it has forgotten (an answer's tokens when the stream was abandoned). A wrong guess costs only
-timing (a step cut that need not have been, or one not cut); outputs never depend on it.
+timing (a step stopped that need not have been, or one not stopped); outputs never depend on it.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ class PrefixEstimate:
 
 
 class StepCuts:
-    """The server's side of step interrupts: whether a request just sent may cut the step in flight.
+    """The server's side of step interrupts: whether a request just sent may stop the step in flight.
 
     ``ttft_tiers`` are the tiers with a TTFT target (their requests always may); ``short_prefill`` is
-    ``SchedulerConfig.short_prefill_interrupt`` (0: no prompt cuts for its length); ``estimate`` is
+    ``SchedulerConfig.short_prefill_interrupt`` (0: no prompt stops it for its length); ``estimate`` is
     None when the engine has no prefix cache (every prompt token is then computed).
     """
 
@@ -89,7 +90,7 @@ class StepCuts:
         self.estimate = estimate
 
     def on_send(self, service_tier: str, prompt_token_ids: Sequence[int], cache_salt: str | None) -> bool:
-        """Whether the request just sent may cut the step in flight short (its prompt is recorded in the
+        """Whether the request just sent may stop the step in flight (its prompt is recorded in the
         estimate either way)."""
         uncached = len(prompt_token_ids)
         if self.estimate is not None:

@@ -21,7 +21,7 @@ import torch
 from tokenmill.config import fused_cpu_ops_enabled
 from tokenmill.core.interrupt import StepInterrupted
 from tokenmill.layers.cpu_kernels import load_error
-from tokenmill.worker.forward_batch import DecodesAndChunks
+from tokenmill.worker.forward_batch import DecodesAndChunks, LayerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +100,24 @@ def llama_decode_stack(
     window: int | None,
     interrupt: torch.Tensor | None = None,  # [1] uint8 (core/interrupt.py), polled between layers
     chunks: DecodesAndChunks | None = None,
+    resume_from: LayerProgress | None = None,
 ) -> torch.Tensor:
     """Every Llama decoder layer over a step of decodes with int4 projections (bfloat16) or float32
     panels (each with its bias, if any), then the final norm, in one C++ call
     (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the layer modules and the
-    model's norm, so the same bits. Returns the final norm's output ``[S, hidden]``; raises ``StepInterrupted`` if ``interrupt`` was raised before a
-    layer (the step is abandoned there). With ``chunks``, ``block_tables`` and ``seq_lens`` are those of
-    ``chunks.decode_rows`` and each of ``chunks.chunk_spans`` attends through the prefill kernel."""
+    model's norm, so the same bits. Returns the final norm's output ``[S, hidden]``. If ``interrupt``
+    is raised before a layer, raises ``StepInterrupted`` whose ``progress`` is where the call stopped;
+    ``resume_from`` (such a progress; ``hidden`` is then ignored) goes on from there, running at least
+    one layer before it reads the flag again. With ``chunks``, ``block_tables`` and ``seq_lens`` are
+    those of ``chunks.decode_rows`` and each of ``chunks.chunk_spans`` attends through the prefill
+    kernel."""
     num_heads, num_kv_heads, head_dim = shape
-    out = torch.ops.tokenmill.llama_decode_stack(
+    start_layer, residual = 0, None
+    if resume_from is not None:
+        hidden, start_layer = resume_from.hidden, resume_from.next_layer
+        # [0] before the first layer: the call is resumed all the same (it runs a layer before it stops).
+        residual = resume_from.residual if resume_from.residual is not None else hidden.new_empty(0)
+    out, residual_out, next_layer = torch.ops.tokenmill.llama_decode_stack(
         hidden,
         weights,
         biases,
@@ -130,9 +139,12 @@ def llama_decode_stack(
         None if chunks is None else chunks.chunk_spans,
         None if chunks is None else chunks.chunk_tables,
         None if chunks is None else chunks.decode_rows,
-    )  # [S, hidden], or [0, hidden] when interrupted
-    if out.shape[0] != hidden.shape[0]:
-        raise StepInterrupted("a latency-critical request arrived")
+        start_layer,
+        residual,
+    )  # [S, hidden] (the final norm's output, or the input of layer next_layer), [S, hidden] or [0], int
+    if next_layer < len(kv_caches):
+        stopped = LayerProgress(next_layer, out, residual_out if residual_out.numel() else None)
+        raise StepInterrupted("a latency-critical request arrived", stopped)
     return out
 
 

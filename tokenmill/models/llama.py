@@ -349,17 +349,24 @@ class LlamaForCausalLM(nn.Module):
             rows.sliding_window,
             batch.interrupt_tensor,
             chunks=rows.chunks,
+            resume_from=batch.resume_from,
         )  # [num_tokens, hidden_size]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
+        progress = batch.resume_from
+        if progress is None:
+            hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
+            residual: torch.Tensor | None = None
+            start = 0
+        else:  # a paused pass goes on (core/interrupt.py)
+            hidden, residual, start = progress.hidden, progress.residual, progress.next_layer
         fused = self._forward_fused_decodes(batch, hidden)
         if fused is not None:
             return fused
-        residual: torch.Tensor | None = None
-        for index, layer in enumerate(self.layers):
-            batch.check_interrupt()  # a latency-critical arrival may cut the step short here
-            hidden, residual = layer(hidden, residual, batch, index)
+        for index in range(start, len(self.layers)):
+            # A latency-critical arrival may stop the step here.
+            batch.check_interrupt(index, hidden, residual)
+            hidden, residual = self.layers[index](hidden, residual, batch, index)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [num_tokens, hidden_size]
 

@@ -255,6 +255,7 @@ class EngineLoop:
             "num_waiting": self.core.scheduler.num_waiting,
             "num_preemptions": self.core.scheduler.num_preemptions_total,
             "num_interrupted_steps": self.core.num_interrupted_steps,
+            "num_paused_steps": self.core.num_paused_steps,
             **{f"num_running_{tier}": n for tier, n in self.core.scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in self.core.scheduler.waiting.waiting_by_tier().items()},
         }

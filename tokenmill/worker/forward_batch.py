@@ -157,6 +157,17 @@ class AttentionMetadata:
 
 
 @dataclass
+class LayerProgress:
+    """How far a forward pass stopped by the interrupt got: ``next_layer`` is the first layer not run,
+    ``hidden`` its input ``[num_tokens, hidden_size]`` and ``residual`` the residual stream (None
+    before the first layer). The keys and values of the layers before it are in the cache."""
+
+    next_layer: int
+    hidden: torch.Tensor  # [num_tokens, hidden_size]
+    residual: torch.Tensor | None  # [num_tokens, hidden_size]
+
+
+@dataclass
 class ForwardBatch:
     """One step's input for ``model.forward``.
 
@@ -177,15 +188,22 @@ class ForwardBatch:
     kv_caches: list[torch.Tensor]
     logits_rows: torch.Tensor  # [num_logit_rows] int64
     attn_by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict)
-    # When this step may be abandoned between layers (core/interrupt.py): the flag, and the same
+    # When this step may be stopped between layers (core/interrupt.py): the flag, and the same
     # byte as a [1] uint8 tensor for C++ kernels to poll.
     interrupt: InterruptFlag | None = None
     interrupt_tensor: torch.Tensor | None = None
+    # Where a paused pass goes on (the model skips the embedding and the layers before it).
+    resume_from: LayerProgress | None = None
 
-    def check_interrupt(self) -> None:
-        """Raise ``StepInterrupted`` if this step may be, and is to be, abandoned now (between layers)."""
-        if self.interrupt is not None and self.interrupt.is_raised():
-            raise StepInterrupted("a latency-critical request arrived")
+    def check_interrupt(self, next_layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Raise ``StepInterrupted`` (with where the pass got) if this step may be, and is to be,
+        stopped now, before ``next_layer``. A resumed pass runs at least one layer before it stops
+        again, so every pass makes progress."""
+        resumed_here = self.resume_from is not None and next_layer == self.resume_from.next_layer
+        if self.interrupt is not None and self.interrupt.is_raised() and not resumed_here:
+            raise StepInterrupted(
+                "a latency-critical request arrived", LayerProgress(next_layer, hidden, residual)
+            )
 
     def attention(self, sliding_window: int | None) -> AttentionMetadata:
         """The metadata for layers attending over ``sliding_window`` trailing positions (None: all)."""

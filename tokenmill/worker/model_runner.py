@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interrupt import InterruptFlag
+from tokenmill.core.interrupt import InterruptFlag, StepInterrupted, StepPaused
 from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention.cpu_paged import kernels_read
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
@@ -28,7 +29,7 @@ from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, dr
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
 from tokenmill.structured.manager import GrammarBitmask
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
-from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch
+from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch, LayerProgress
 from tokenmill.worker.kv_cache import allocate_kv_caches, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
@@ -204,13 +205,36 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
-        if plan.interruptible and self.interrupt is not None:
+        if (plan.interruptible or plan.pausable) and self.interrupt is not None:
             batch.interrupt, batch.interrupt_tensor = self.interrupt, self.interrupt_tensor
-        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] float32 or activation dtype
+        return self._finish(SuspendedStep(plan, batch, sample_entries, prompt_rows))
+
+    @torch.inference_mode()
+    def resume(self, suspended: SuspendedStep, may_pause: bool) -> ModelRunnerOutput:
+        """Go on with a step ``execute`` paused (``StepPaused``) from the layer it stopped before; with
+        ``may_pause`` it may pause again, else it runs to the end."""
+        batch = suspended.batch
+        if not may_pause:
+            batch.interrupt = batch.interrupt_tensor = None
+        return self._finish(suspended)
+
+    def _finish(self, step: SuspendedStep) -> ModelRunnerOutput:
+        """Run ``step``'s forward (from where it stopped, if it did), then its sampling. A pausable
+        plan stopped by the interrupt raises ``StepPaused`` with what ``resume`` needs; an
+        interruptible one ``StepInterrupted`` (it is abandoned)."""
+        batch, sample_entries, prompt_rows = step.batch, step.sample_entries, step.prompt_rows
+        try:
+            logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] f32 or activation dtype
+        except StepInterrupted as stopped:
+            if step.plan.interruptible or not isinstance(stopped.progress, LayerProgress):
+                raise
+            batch.resume_from = stopped.progress
+            raise StepPaused(step) from None
+        batch.resume_from = None
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
         if num_sampling:
-            self._sample(logits[:num_sampling], sample_entries, output, plan.grammar_bitmask)
+            self._sample(logits[:num_sampling], sample_entries, output, step.plan.grammar_bitmask)
         offset = num_sampling
         for request_id, targets, num_top in prompt_rows:
             rows = logits[offset : offset + len(targets)]
@@ -389,6 +413,17 @@ class ModelRunner:
             sliding_window=sliding_window,
             spans=[(offsets[i], entries[i].start_position, len(entries[i].token_ids)) for i in members],
         )
+
+
+@dataclass
+class SuspendedStep:
+    """A step under way: its plan, its batch (with where a paused forward goes on) and what its
+    sampling needs once the forward is done."""
+
+    plan: SchedulerOutput
+    batch: ForwardBatch
+    sample_entries: list[ScheduledRequest]
+    prompt_rows: list[tuple[str, list[int], int]]
 
 
 def _to_position_logprobs(

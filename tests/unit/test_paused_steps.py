@@ -1,0 +1,173 @@
+"""Steps paused between layers for arrivals with short prefills (``core/interrupt.py``).
+
+Scheduler-level with the fake model of ``test_scheduler``: which plans may pause, and what the
+arrivals' pass (``Scheduler.schedule_beside``) admits while one is paused. Then through the engine
+on the tiny Llama's layer modules: a step paused before an inner layer goes on from there after the
+arrivals' pass, every token equal to the transformers reference, and aborts wait for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_first_token_pass import request, stepper, tiny_llm
+from test_scheduler import prompt_of
+from test_tiers import TierHarness, ids
+
+from tokenmill.core.interrupt import InterruptFlag
+
+
+def test_steps_may_pause_unless_they_finish_a_short_prefill_and_the_arrivals_pass_admits_short_ones() -> None:
+    h = TierHarness(budget=64, short_prefill_interrupt=8, prefix_caching=True)
+    h.add("a", prompt_of(20, 1), max_tokens=8)
+    plan = h.scheduler.schedule()
+    assert ids(plan) == ["a"] and plan.pausable and not plan.interruptible  # a long prompt
+    h.finish_step(plan)
+    paused = h.scheduler.schedule()
+    assert ids(paused) == ["a"] and paused.pausable  # a's first decode
+    # Arrivals while it is paused: b is short, c is long, d shares a's 16 cached prompt tokens and
+    # needs 3 more.
+    h.add("b", prompt_of(6, 300), max_tokens=4)
+    h.add("c", prompt_of(20, 600), max_tokens=4)
+    h.add("d", prompt_of(20, 1)[:16] + [5, 6, 7], max_tokens=4)
+    beside = h.scheduler.schedule_beside()
+    assert [(e.request_id, e.start_position, len(e.token_ids), e.sample) for e in beside.scheduled] == [
+        ("b", 0, 6, True),
+        ("d", 16, 3, True),
+    ]
+    assert not beside.pausable and not beside.interruptible
+    h.finish_step(beside)
+    assert len(h.outputs["b"]) == len(h.outputs["d"]) == 1  # first tokens before the paused step ends
+    assert h.outputs["a"] == [h.outputs["a"][0]]
+    h.finish_step(paused)
+    assert len(h.outputs["a"]) == 2
+    plan = h.scheduler.schedule()
+    assert ids(plan) == ["a", "b", "d", "c"] and plan.pausable  # c's long prompt finishes in it
+    h.finish_step(plan)
+    h.add("e", prompt_of(5, 900), max_tokens=2)
+    plan = h.scheduler.schedule()
+    assert "e" in ids(plan) and not plan.pausable  # e's short prompt finishes in it
+    h.finish_step(plan)
+    h.run()
+    h.assert_outputs_match_reference()
+
+    # Without short_prefill_interrupt no step pauses.
+    h = TierHarness(budget=64)
+    h.add("a", prompt_of(20, 1), max_tokens=2)
+    assert not h.scheduler.schedule().pausable
+
+
+def test_the_arrivals_pass_never_preempts_nor_joins_prefixes_in_flight() -> None:
+    # Six blocks of 4 tokens: a holds five once it decodes, b's 8 tokens need two.
+    h = TierHarness(num_blocks=6, budget=64, short_prefill_interrupt=8)
+    h.add("a", prompt_of(16, 1), max_tokens=8)
+    h.finish_step(h.scheduler.schedule())
+    paused = h.scheduler.schedule()
+    h.add("b", prompt_of(8, 300), max_tokens=2)
+    free = h.kv.pool.num_free
+    assert h.scheduler.schedule_beside().is_empty
+    assert h.kv.pool.num_free == free and h.scheduler.num_waiting == 1  # b waits, a keeps its blocks
+    h.finish_step(paused)
+    h.run()
+    h.assert_outputs_match_reference()
+
+    # c's prompt computes the blocks e would share: e waits for them rather than compute them again.
+    h = TierHarness(budget=8, short_prefill_interrupt=8, prefix_caching=True)
+    shared = prompt_of(16, 50)
+    h.add("c", shared + [1, 2], max_tokens=2)
+    paused = h.scheduler.schedule()  # c's first chunk of 8
+    h.add("e", shared + [3], max_tokens=2)
+    h.add("f", prompt_of(4, 700), max_tokens=2)
+    assert ids(h.scheduler.schedule_beside()) == ["f"]
+    h.run()
+    h.assert_outputs_match_reference()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):  # type: ignore[no-untyped-def]
+    return tiny_model("llama")
+
+
+def paused_engine(model, tmp_path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The tiny Llama on its layer modules with short-prefill pauses on, its interrupt flag, a list
+    that raises the flag while layer 0 runs when it holds an entry (as an arrival would), and the
+    count of layer 0's runs."""
+    llm = tiny_llm(model, short_prefill_interrupt=8)
+    core = llm.engine
+    llama = core.executor.runner.model
+    llama.decode_stack = None  # the layer modules, whose checks between layers the test can time
+    flag = InterruptFlag.create(str(tmp_path))
+    core.set_interrupt(flag)
+    first_layer = llama.layers[0]
+    forward = first_layer.forward
+    arm: list[bool] = []
+    layer_0_runs: list[int] = []
+
+    def raising(*args, **kwargs):  # type: ignore[no-untyped-def]
+        layer_0_runs.append(1)
+        if arm:
+            arm.clear()
+            flag.raise_()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(first_layer, "forward", raising)
+    return core, flag, arm, layer_0_runs
+
+
+def test_a_step_paused_between_layers_goes_on_from_there_after_the_arrivals_pass(
+    model,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, flag, arm, layer_0_runs = paused_engine(model, tmp_path, monkeypatch)
+    prompts = {"a": [11 + i for i in range(13)], "b": [40 + i for i in range(5)]}
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    step = stepper(core, tokens)
+    core.add_request(request("a", prompts["a"], 6))
+    assert step() == ["a"]
+    arm.append(True)
+    assert step() == []  # a's first decode pauses before layer 1
+    assert core.num_paused_steps == 1 and core.has_unfinished_requests()
+    flag.clear()  # as the engine loop does before it reads its input
+    core.add_request(request("b", prompts["b"], 6))
+    layer_0_runs.clear()
+    assert step() == ["b"]  # the arrivals' pass: b's first token
+    assert step() == ["a"]  # the paused decode goes on from layer 1
+    assert len(layer_0_runs) == 1  # b's pass only
+    while core.has_unfinished_requests():
+        step()
+    assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}
+    assert core.kv_manager.all_free_or_cached()
+
+
+def test_a_request_aborted_while_its_step_is_paused_ends_when_the_step_has(
+    model,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, flag, arm, _ = paused_engine(model, tmp_path, monkeypatch)
+    prompts = {
+        "a": [11 + i for i in range(13)],
+        "b": [40 + i for i in range(5)],
+        "c": [90 + i for i in range(9)],
+    }
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    step = stepper(core, tokens)
+    core.add_request(request("a", prompts["a"], 6))
+    core.add_request(request("c", prompts["c"], 6))
+    assert step() == ["a", "c"]
+    arm.append(True)
+    assert step() == []  # paused
+    flag.clear()
+    # a's blocks are the paused step's to write until it ends: the abort waits for it.
+    core.abort_requests(["a"])
+    assert "a" in core.scheduler.requests
+    core.add_request(request("b", prompts["b"], 6))
+    assert step() == ["b"]
+    assert step() == ["c"]  # the paused step ends; a is aborted before its results count
+    assert "a" not in core.scheduler.requests
+    while core.has_unfinished_requests():
+        step()
+    assert tokens["a"] == model.greedy(prompts["a"], 1)
+    assert {name: tokens[name] for name in "bc"} == {name: model.greedy(prompts[name], 6) for name in "bc"}
+    core.kv_manager.check_integrity()
+    assert core.kv_manager.all_free_or_cached()

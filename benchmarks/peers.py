@@ -8,6 +8,7 @@ their folder.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -62,6 +63,34 @@ def requantized(gguf: str, quantize_bin: str, kind: str, cache_dir: Path) -> str
             [quantize_bin, "--allow-requantize", gguf, str(out), kind], check=True, capture_output=True
         )
     return str(out)
+
+
+def add_llama_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say where llama-server and llama-quantize are and which weights the peer runs."""
+    parser.add_argument("--llama-server", default=None, help="path of llama-server (else $LLAMA_CPP_BIN)")
+    parser.add_argument("--llama-quantize", default=None, help="path of llama-quantize (else $LLAMA_CPP_BIN)")
+    parser.add_argument(
+        "--llama-weights",
+        default="BF16",
+        help="llama-server's weight format, made from the bundled Q4_1 file with llama-quantize (BF16 prefills "
+        "fastest on AVX512-BF16 CPUs, F16 on AVX2-only ones; check with llama-bench -p 1024); Q4_1 keeps the original",
+    )
+
+
+def llama_peer(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """(llama-server, its GGUF, the peer's name) from ``add_llama_peer_arguments``' options: the bundled
+    model in ``--llama-weights`` (requantized once, cached outside the repo) when llama-quantize is
+    found, else its Q4_1 original; None, said on stdout, when llama-server is not found."""
+    server_bin = llama_cpp_tool("llama-server", args.llama_server)
+    if server_bin is None:
+        print("llama-server not found: pass --llama-server or set LLAMA_CPP_BIN (see PEERS.md)")
+        return None
+    gguf, name = bundled_gguf(), "llama-server Q4_1"
+    quantize_bin = llama_cpp_tool("llama-quantize", args.llama_quantize)
+    if args.llama_weights != "Q4_1" and quantize_bin is not None:
+        gguf = requantized(gguf, quantize_bin, args.llama_weights, Path.home() / ".cache/tokenmill-bench")
+        name = f"llama-server {args.llama_weights}"
+    return server_bin, gguf, name
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[Any], timeout_s: float) -> None:

@@ -11,17 +11,15 @@ llama-server, whose per-slot prompt cache stays on here).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from peers import (
-    bundled_gguf,
+    add_llama_peer_arguments,
     cpu_name,
     git_describe,
-    llama_cpp_tool,
+    llama_peer,
     llama_server,
     print_table,
-    requantized,
     run_bench,
     summary,
 )
@@ -40,14 +38,7 @@ def main() -> None:
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--llama-server", default=None, help="path of llama-server (else $LLAMA_CPP_BIN)")
-    parser.add_argument("--llama-quantize", default=None, help="path of llama-quantize (else $LLAMA_CPP_BIN)")
-    parser.add_argument(
-        "--llama-weights",
-        default="BF16",
-        help="llama-server's weight format, made from the bundled Q4_1 file with llama-quantize (BF16 prefills "
-        "fastest on AVX512-BF16 CPUs, F16 on AVX2-only ones; check with llama-bench -p 1024); Q4_1 keeps the original",
-    )
+    add_llama_peer_arguments(parser)
     parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"], help="tokenmill's waiting policy")
     parser.add_argument(
         "--kv-cache-dtype",
@@ -84,20 +75,13 @@ def main() -> None:
     with tokenmill("smollm2-135m", [*context, "--no-prefix-cache"]) as url:
         rows["tokenmill cache off"] = summary(run_bench(url, "cache-off", bench_args))
 
-    server_bin = llama_cpp_tool("llama-server", args.llama_server)
+    peer = llama_peer(args)
     peer_name = None
-    if server_bin is not None:
+    if peer is not None:
         # The peer runs on the format that prefills fastest on the machine; its prompt cache stays on.
-        gguf, peer_name = bundled_gguf(), "llama-server Q4_1"
-        quantize_bin = llama_cpp_tool("llama-quantize", args.llama_quantize)
-        if args.llama_weights != "Q4_1" and quantize_bin is not None:
-            cache_dir = Path.home() / ".cache/tokenmill-bench"
-            gguf = requantized(gguf, quantize_bin, args.llama_weights, cache_dir)
-            peer_name = f"llama-server {args.llama_weights}"
+        server_bin, gguf, peer_name = peer
         with llama_server(server_bin, gguf, args.concurrency, 2048, []) as url:
             rows[peer_name] = summary(run_bench(url, "llama-server", bench_args))
-    else:
-        print("llama-server not found: pass --llama-server or set LLAMA_CPP_BIN (see PEERS.md)")
     print_table(rows, baseline="tokenmill cache off")
     if peer_name is not None:
         on, peer = rows["tokenmill cache on"], rows[peer_name]

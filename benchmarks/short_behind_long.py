@@ -20,10 +20,9 @@ import argparse
 import asyncio
 import statistics
 import time
-from pathlib import Path
 
 import httpx
-from peers import bundled_gguf, cpu_name, git_describe, llama_cpp_tool, llama_server, requantized
+from peers import add_llama_peer_arguments, cpu_name, git_describe, llama_peer, llama_server
 from peers import tokenmill_server as tokenmill
 
 CONTEXT = 4096
@@ -68,14 +67,7 @@ def main() -> None:
     parser.add_argument(
         "--delay", type=float, default=0.08, help="seconds between the long and the short request"
     )
-    parser.add_argument("--llama-server", default=None, help="path of llama-server (else $LLAMA_CPP_BIN)")
-    parser.add_argument("--llama-quantize", default=None, help="path of llama-quantize (else $LLAMA_CPP_BIN)")
-    parser.add_argument(
-        "--llama-weights",
-        default="BF16",
-        help="llama-server's weight format, made from the bundled Q4_1 file with llama-quantize (as in "
-        "shared_prefix.py: BF16 prefills fastest on AVX512-BF16 CPUs, F16 on AVX2-only ones); Q4_1 keeps it",
-    )
+    add_llama_peer_arguments(parser)
     args = parser.parse_args()
     print(
         f"# {git_describe()} on {cpu_name()}: {args.rounds} rounds, {args.long_words} words, {args.delay} s"
@@ -87,17 +79,11 @@ def main() -> None:
     ):
         with tokenmill("smollm2-135m", ["--max-model-len", str(CONTEXT), *extra]) as url:
             rows[label] = asyncio.run(rounds(url, args.rounds, args.long_words, args.delay))
-    server_bin = llama_cpp_tool("llama-server", args.llama_server)
-    if server_bin is not None:
-        gguf, peer_name = bundled_gguf(), "llama-server Q4_1"
-        quantize_bin = llama_cpp_tool("llama-quantize", args.llama_quantize)
-        if args.llama_weights != "Q4_1" and quantize_bin is not None:
-            gguf = requantized(gguf, quantize_bin, args.llama_weights, Path.home() / ".cache/tokenmill-bench")
-            peer_name = f"llama-server {args.llama_weights}"
+    peer = llama_peer(args)
+    if peer is not None:
+        server_bin, gguf, peer_name = peer
         with llama_server(server_bin, gguf, 2, CONTEXT, []) as url:
             rows[peer_name] = asyncio.run(rounds(url, args.rounds, args.long_words, args.delay))
-    else:
-        print("llama-server not found: pass --llama-server or set LLAMA_CPP_BIN (see PEERS.md)")
     for label, row in rows.items():
         print(f"{label:40s} " + "  ".join(f"{key} {value:8.1f}" for key, value in row.items()))
     base = rows["tokenmill"]["short mean ms"]

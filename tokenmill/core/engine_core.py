@@ -257,8 +257,8 @@ class EngineCore:
             passes = split_first_tokens(plan, self.scheduler.num_waiting)
             if passes is not None:
                 plan, self._second_pass = passes
-                # The rest computes no first token: it may pause for short prefills (Scheduler._may_pause).
-                self._second_pass.pausable = self.config.scheduler.short_prefill_interrupt > 0
+                # The rest computes no first token of its own: it may pause where the whole plan may not.
+                self._second_pass.pausable = self.scheduler.may_pause(self._second_pass.scheduled)
                 self.num_split_steps += 1
         return plan
 

@@ -11,7 +11,7 @@ after sending such a request; the model checks it between decoder layers and sto
 (``StepInterrupted``, with how far it got). What happens to the stopped step depends on its plan:
 
 - **Paused** (plans the scheduler marks ``pausable``, for short prefills: any step but one that
-  finishes a short prefill itself, ``Scheduler._may_pause``). The executor keeps the step's batch and
+  finishes a short prefill itself, ``Scheduler.may_pause``). The executor keeps the step's batch and
   the hidden states and residual stream going into the next layer (``StepPaused``); the engine core
   reads its input, runs a pass of its own for the waiting requests with short prefills
   (``Scheduler.schedule_beside``: no preemption, no running request), sends their first tokens,

@@ -297,7 +297,7 @@ class Scheduler:
             num_preempted=num_preempted + num_made_room,
             first_token_exclusive=exclusive,
             interruptible=interruptible,
-            pausable=self._may_pause(plan),
+            pausable=self.may_pause(plan),
             shared_sources=shared_sources,
         )
 
@@ -398,7 +398,7 @@ class Scheduler:
             return False
         return self.tiers.best_ttft_rank is not None and not self._plans_first_token(plan)
 
-    def _may_pause(self, plan: list[ScheduledRequest]) -> bool:
+    def may_pause(self, plan: list[ScheduledRequest]) -> bool:
         """Whether ``plan`` may be paused between layers for arrivals with a short prefill
         (``short_prefill_interrupt``; ``schedule_beside``): any step but one that finishes a short
         prefill itself, whose first token would wait as long as the arrival's saves."""

@@ -13,6 +13,7 @@ from test_first_token_pass import request, stepper, tiny_llm
 from test_scheduler import prompt_of
 from test_tiers import TierHarness, ids
 
+from tokenmill.config import TierConfig
 from tokenmill.core.interrupt import InterruptFlag
 
 
@@ -47,6 +48,21 @@ def test_steps_may_pause_unless_they_finish_a_short_prefill_and_the_arrivals_pas
     plan = h.scheduler.schedule()
     assert "e" in ids(plan) and not plan.pausable  # e's short prompt finishes in it
     h.finish_step(plan)
+    h.run()
+    h.assert_outputs_match_reference()
+
+    # A first token a tier's TTFT target protects never waits for the arrivals' pass, long as its
+    # prompt is; the tier's other steps may pause.
+    h = TierHarness(
+        budget=64,
+        short_prefill_interrupt=8,
+        tiers=[TierConfig("priority", ttft_slo=0.1), TierConfig("default")],
+    )
+    h.add("vip", prompt_of(20, 1), max_tokens=3, service_tier="priority")
+    plan = h.scheduler.schedule()
+    assert ids(plan) == ["vip"] and not plan.pausable
+    h.finish_step(plan)
+    assert h.scheduler.schedule().pausable  # its decode
     h.run()
     h.assert_outputs_match_reference()
 

@@ -11,11 +11,12 @@ after sending such a request; the model checks it between decoder layers and sto
 (``StepInterrupted``, with how far it got). What happens to the stopped step depends on its plan:
 
 - **Paused** (plans the scheduler marks ``pausable``, for short prefills: any step but one that
-  finishes a short prefill itself, ``Scheduler.may_pause``). The executor keeps the step's batch and
-  the hidden states and residual stream going into the next layer (``StepPaused``); the engine core
-  reads its input, runs a pass of its own for the waiting requests with short prefills
-  (``Scheduler.schedule_beside``: no preemption, no running request), sends their first tokens,
-  then goes on with the paused step from that layer. Nothing is computed twice. A step pauses at most
+  finishes a short prefill itself or computes a first token a TTFT target protects,
+  ``Scheduler.may_pause``). The executor keeps the step's batch and the hidden states and residual
+  stream going into the next layer (``StepPaused``); the engine core reads its input, runs a pass
+  of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
+  preemption, no running request), sends their first tokens, then goes on with the paused step from
+  that layer. Nothing is computed twice. A step pauses at most
   ``MAX_PAUSES_PER_STEP`` times and a resumed pass runs a layer before it stops again, so its
   requests keep moving; aborts of its requests wait until it ends (their blocks are its to write).
 - **Abandoned** (plans the scheduler marks ``interruptible``, for TTFT tiers: any step that computes

@@ -401,7 +401,8 @@ class Scheduler:
     def may_pause(self, plan: list[ScheduledRequest]) -> bool:
         """Whether ``plan`` may be paused between layers for arrivals with a short prefill
         (``short_prefill_interrupt``; ``schedule_beside``): any step but one that finishes a short
-        prefill itself, whose first token would wait as long as the arrival's saves."""
+        prefill itself, whose first token would wait as long as the arrival's saves, or one that
+        computes a first token a tier's TTFT target protects (the arrivals' pass knows no tiers)."""
         limit = self.config.short_prefill_interrupt
         return (
             limit > 0
@@ -410,6 +411,7 @@ class Scheduler:
                 entry.sample and not entry.output_token_ids and len(entry.token_ids) <= limit
                 for entry in plan
             )
+            and not self._plans_first_token(plan)
         )
 
     def _plans_first_token(self, plan: list[ScheduledRequest]) -> bool:

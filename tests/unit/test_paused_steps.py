@@ -86,6 +86,20 @@ def test_the_arrivals_pass_never_preempts_nor_joins_prefixes_in_flight() -> None
     h.run()
     h.assert_outputs_match_reference()
 
+    # The pass keeps to the step's token budget: of two 6-token prompts, one fits in 10 tokens.
+    h = TierHarness(budget=10, short_prefill_interrupt=8)
+    h.add("a", prompt_of(9, 1), max_tokens=4)
+    h.finish_step(h.scheduler.schedule())
+    paused = h.scheduler.schedule()
+    h.add("b", prompt_of(6, 300), max_tokens=2)
+    h.add("c", prompt_of(6, 500), max_tokens=2)
+    beside = h.scheduler.schedule_beside()
+    assert ids(beside) == ["b"]
+    h.finish_step(beside)
+    h.finish_step(paused)
+    h.run()
+    h.assert_outputs_match_reference()
+
     # c's prompt computes the blocks e would share: e waits for them rather than compute them again.
     h = TierHarness(budget=8, short_prefill_interrupt=8, prefix_caching=True)
     shared = prompt_of(16, 50)

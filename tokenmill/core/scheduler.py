@@ -307,20 +307,22 @@ class Scheduler:
 
         Admits, in class and policy order, each waiting request whose prompt needs at most
         ``short_prefill_interrupt`` tokens beyond the prefix cache, computing all of them, within
-        the step's token budget and the seat limits; never preempts (the paused step's requests
+        the step's token budget (with its tiers' caps and time bound, as ``schedule`` plans) and the
+        seat limits; never preempts (the paused step's requests
         keep their blocks) and plans no running request. Requests that wait for blocks a running
         request computes (a shared prefix in flight, an n > 1 sibling) are left to the next plan.
         The plan is neither interruptible nor pausable and may be empty.
         """
         plan: list[ScheduledRequest] = []
-        tokens_left = self.config.max_num_batched_tokens
+        budget = self._step_budget(self.clock())
         for key in sorted(self.waiting.class_keys()):
             for request in self.waiting.ordered_in(key):
                 if len(self.running) >= self.config.max_num_seqs:
                     break
                 num_new = request.num_tokens - self.kv.peek_prefix_tokens(request)
                 if (
-                    num_new > min(self.config.short_prefill_interrupt, tokens_left)
+                    num_new > self.config.short_prefill_interrupt
+                    or budget.grant(request.tier, num_new) < num_new
                     or self._tier_is_full(request.tier)
                     or not self._grammar_ready(request)
                     or self._sibling_leader(request) is not None
@@ -334,7 +336,7 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     return SchedulerOutput(scheduled=plan)  # no blocks without preemption
                 self._start_running(request, request.num_computed_tokens, plan)
-                tokens_left -= num_new
+                budget.take(request.tier, num_new)
         return SchedulerOutput(scheduled=plan)
 
     def step_interrupted(self, plan: SchedulerOutput) -> None:

@@ -79,8 +79,9 @@ def test_rmsnorm_module_uses_the_same_numbers_on_both_paths() -> None:
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("size", [1536, 70])  # 70: a partial last vector
-def test_silu_and_mul_matches_unfused(size: int, dtype: torch.dtype) -> None:
-    gate_up = torch.randn(13, 2 * size, dtype=dtype) * 4
+@pytest.mark.parametrize("rows", [13, 66])  # 66 rows of 1,536 are split over the threads
+def test_silu_and_mul_matches_unfused(rows: int, size: int, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(rows, 2 * size, dtype=dtype) * 4
     expected = F.silu(gate_up[:, :size]) * gate_up[:, size:]
     assert_same(fused_cpu.silu_and_mul(gate_up), expected)
 

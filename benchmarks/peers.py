@@ -170,6 +170,12 @@ def summary(document: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def mean_summary(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure of ``summary`` averaged over runs of the same workload (a percentile's mean over
+    the runs, not the percentile of all their requests)."""
+    return {key: sum(run[key] for run in runs) / len(runs) for key in runs[0]}
+
+
 def print_table(rows: dict[str, dict[str, float]], baseline: str | None = None) -> None:
     names = list(rows)
     keys = [

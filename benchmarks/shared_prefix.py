@@ -6,6 +6,9 @@ Prints mean / p99 TTFT and output throughput for each, and the ratios (cache on 
 llama-server, whose per-slot prompt cache stays on here).
 
     LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin .venv/bin/python benchmarks/shared_prefix.py
+
+``--repeats N`` runs the two tokenmill servers N times each, alternating, and prints each pair's ratio
+and the means (the cache-on mean moves with a VM's speed more than cache off does).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from peers import (
     git_describe,
     llama_peer,
     llama_server,
+    mean_summary,
     print_table,
     run_bench,
     summary,
@@ -38,6 +42,13 @@ def main() -> None:
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run tokenmill with the cache on and off this many times each, alternating: a VM's speed drifts "
+        "over minutes, so one pair can tilt the ratio; the table shows the means over the runs",
+    )
     add_llama_peer_arguments(parser)
     parser.add_argument("--policy", default="lpm", choices=["fcfs", "lpm"], help="tokenmill's waiting policy")
     parser.add_argument(
@@ -48,6 +59,8 @@ def main() -> None:
         "own dtype where --dtype auto is bfloat16 (CPUs that compute it), float16 where it is float32",
     )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     model_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what serve picks
     if args.kv_cache_dtype is None:
         args.kv_cache_dtype = "float16" if model_dtype == "float32" else "auto"
@@ -70,10 +83,22 @@ def main() -> None:
     )
     context = ["--max-model-len", "2048", "--kv-cache-dtype", args.kv_cache_dtype]
     rows: dict[str, dict[str, float]] = {}
-    with tokenmill("smollm2-135m", [*context, "--policy", args.policy]) as url:
-        rows["tokenmill cache on"] = summary(run_bench(url, "cache-on", bench_args))
-    with tokenmill("smollm2-135m", [*context, "--no-prefix-cache"]) as url:
-        rows["tokenmill cache off"] = summary(run_bench(url, "cache-off", bench_args))
+    on_runs, off_runs = [], []
+    for run in range(1, args.repeats + 1):
+        with tokenmill("smollm2-135m", [*context, "--policy", args.policy]) as url:
+            on_runs.append(summary(run_bench(url, "cache-on", bench_args)))
+        with tokenmill("smollm2-135m", [*context, "--no-prefix-cache"]) as url:
+            off_runs.append(summary(run_bench(url, "cache-off", bench_args)))
+        if args.repeats > 1:
+            on, off = on_runs[-1], off_runs[-1]
+            print(
+                f"run {run}: mean TTFT cache on {on['ttft_mean_ms']:.1f} ms, off {off['ttft_mean_ms']:.1f} ms "
+                f"(x{off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}); {on['output_tok_s']:.1f} / "
+                f"{off['output_tok_s']:.1f} tok/s",
+                flush=True,
+            )
+    rows["tokenmill cache on"] = mean_summary(on_runs)
+    rows["tokenmill cache off"] = mean_summary(off_runs)
 
     peer = llama_peer(args)
     peer_name = None

@@ -2,8 +2,9 @@
 
 Scheduler-level with the fake model of ``test_scheduler``: which plans may pause, and what the
 arrivals' pass (``Scheduler.schedule_beside``) admits while one is paused. Then through the engine
-on the tiny Llama's layer modules: a step paused before an inner layer goes on from there after the
-arrivals' pass, every token equal to the transformers reference, and aborts wait for it.
+on the layer modules of the tiny Llama and of a tiny Gemma 3: a step paused before an inner layer
+goes on from there after the arrivals' pass, every token equal to the transformers reference, and
+aborts wait for it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from test_first_token_pass import request, stepper, tiny_llm
 from test_scheduler import prompt_of
 from test_tiers import TierHarness, ids
 
+from tests.conftest import TinyModel, save_tiny_model
+from tests.models.test_gemma3 import GEMMA3
 from tokenmill.config import TierConfig
 from tokenmill.core.interrupt import InterruptFlag
 
@@ -117,17 +120,25 @@ def model(tiny_model):  # type: ignore[no-untyped-def]
     return tiny_model("llama")
 
 
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny Gemma 3 of ``tests/models/test_gemma3.py`` (sliding and global layers)."""
+    folder = str(tmp_path_factory.mktemp("tiny-gemma3-paused"))
+    return TinyModel(arch="gemma3_text", path=folder, hf=save_tiny_model(GEMMA3, seed=31, folder=folder))
+
+
 def paused_engine(model, tmp_path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """The tiny Llama on its layer modules with short-prefill pauses on, its interrupt flag, a list
+    """The tiny model on its layer modules with short-prefill pauses on, its interrupt flag, a list
     that raises the flag while layer 0 runs when it holds an entry (as an arrival would), and the
     count of layer 0's runs."""
     llm = tiny_llm(model, short_prefill_interrupt=8)
     core = llm.engine
-    llama = core.executor.runner.model
-    llama.decode_stack = None  # the layer modules, whose checks between layers the test can time
+    net = core.executor.runner.model
+    if hasattr(net, "decode_stack"):
+        net.decode_stack = None  # the layer modules, whose checks between layers the test can time
     flag = InterruptFlag.create(str(tmp_path))
     core.set_interrupt(flag)
-    first_layer = llama.layers[0]
+    first_layer = net.layers[0]
     forward = first_layer.forward
     arm: list[bool] = []
     layer_0_runs: list[int] = []
@@ -143,11 +154,17 @@ def paused_engine(model, tmp_path, monkeypatch: pytest.MonkeyPatch):  # type: ig
     return core, flag, arm, layer_0_runs
 
 
+@pytest.fixture(params=["model", "gemma3"])
+def llama_or_gemma3(request: pytest.FixtureRequest) -> TinyModel:
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
 def test_a_step_paused_between_layers_goes_on_from_there_after_the_arrivals_pass(
-    model,  # type: ignore[no-untyped-def]
+    llama_or_gemma3: TinyModel,
     tmp_path,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    model = llama_or_gemma3
     core, flag, arm, layer_0_runs = paused_engine(model, tmp_path, monkeypatch)
     prompts = {"a": [11 + i for i in range(13)], "b": [40 + i for i in range(5)]}
     tokens: dict[str, list[int]] = {name: [] for name in prompts}

@@ -227,10 +227,17 @@ class Gemma3ForCausalLM(nn.Module):
         return self.args.num_layers
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embedded = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
-        hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
-        for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, batch, index)
+        progress = batch.resume_from
+        if progress is None:
+            embedded = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
+            hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+            start = 0
+        else:  # a paused pass goes on (core/interrupt.py); the stream is the hidden state itself
+            hidden, start = progress.hidden, progress.next_layer
+        for index in range(start, len(self.layers)):
+            # A latency-critical arrival may stop the step here.
+            batch.check_interrupt(index, hidden, None)
+            hidden = self.layers[index](hidden, batch, index)
         return self.norm(hidden)  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,8 @@ class AttentionMetadata:
 class LayerProgress:
     """How far a forward pass stopped by the interrupt got: ``next_layer`` is the first layer not run,
     ``hidden`` its input ``[num_tokens, hidden_size]`` and ``residual`` the residual stream (None
-    before the first layer). The keys and values of the layers before it are in the cache."""
+    before the first layer, and for a model whose stream is ``hidden`` itself: Gemma 3). The keys
+    and values of the layers before it are in the cache."""
 
     next_layer: int
     hidden: torch.Tensor  # [num_tokens, hidden_size]

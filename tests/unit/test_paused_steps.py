@@ -18,6 +18,7 @@ from tests.conftest import TinyModel, save_tiny_model
 from tests.models.test_gemma3 import GEMMA3
 from tokenmill.config import TierConfig
 from tokenmill.core.interrupt import InterruptFlag
+from tokenmill.core.request import RequestStatus
 
 
 def test_steps_may_pause_unless_they_finish_a_short_prefill_and_the_arrivals_pass_admits_short_ones() -> None:
@@ -115,6 +116,54 @@ def test_the_arrivals_pass_never_preempts_nor_joins_prefixes_in_flight() -> None
     h.assert_outputs_match_reference()
 
 
+def test_lpm_puts_back_a_barely_started_prompt_for_a_burst_that_shares_a_new_prefix() -> None:
+    h = TierHarness(budget=24, short_prefill_interrupt=8, prefix_caching=True, policy="lpm")
+    h.add("a", prompt_of(20, 1), max_tokens=3)
+    started = h.scheduler.schedule()
+    assert ids(started) == ["a"] and started.pausable
+    # While a's first step is paused, three requests sharing a 16-token prefix of their own arrive:
+    # the first of them to run computes it for all three.
+    shared = prompt_of(16, 500)
+    for name, tail in (("b", [1, 2]), ("c", [3, 4]), ("d", [5, 6])):
+        h.add(name, shared + tail, max_tokens=3)
+    assert not h.scheduler.replan_paused(started, fraction_done=0.5)  # too much of it has run
+    assert h.scheduler.replan_paused(started, fraction_done=0.0)
+    a = h.scheduler.requests["a"]
+    assert a.status == RequestStatus.WAITING and a.num_computed_tokens == 0
+    assert h.kv.pool.num_free == h.kv.num_blocks  # its blocks are back (nothing of it was cached)
+    plan = h.scheduler.schedule()
+    # b computes the shared prefix first, c and d attend to it in the same step; a's prompt takes
+    # what is left of the budget.
+    assert [(e.request_id, e.start_position, len(e.token_ids)) for e in plan.scheduled] == [
+        ("b", 0, 18),
+        ("c", 16, 2),
+        ("d", 16, 2),
+        ("a", 0, 2),
+    ]
+    assert not h.scheduler.replan_paused(plan, fraction_done=0.0)  # a is put back at most once
+    h.finish_step(plan)
+    h.run()
+    h.assert_outputs_match_reference()
+
+    # Only lpm reorders started work; nor is a step with a decode or a later chunk ever put back.
+    for policy in ("fcfs", "lpm"):
+        h = TierHarness(budget=24, short_prefill_interrupt=8, prefix_caching=True, policy=policy)
+        h.add("a", prompt_of(30, 1), max_tokens=3)
+        first_chunk = h.scheduler.schedule()
+        for name, tail in (("b", [1, 2]), ("c", [3, 4])):
+            h.add(name, shared + tail, max_tokens=3)
+        assert h.scheduler.replan_paused(first_chunk, fraction_done=0.0) == (policy == "lpm")
+        if policy == "lpm":
+            h.finish_step(h.scheduler.schedule())  # b's prompt, a's first chunk
+            h.add("e", shared + [7, 8], max_tokens=3)
+            h.add("f", shared + [9, 10], max_tokens=3)
+            later = h.scheduler.schedule()  # b's first decode, a's second chunk and others
+            assert not h.scheduler.replan_paused(later, fraction_done=0.0)
+            h.finish_step(later)
+        h.run()
+        h.assert_outputs_match_reference()
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model):  # type: ignore[no-untyped-def]
     return tiny_model("llama")
@@ -127,11 +176,11 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return TinyModel(arch="gemma3_text", path=folder, hf=save_tiny_model(GEMMA3, seed=31, folder=folder))
 
 
-def paused_engine(model, tmp_path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """The tiny model on its layer modules with short-prefill pauses on, its interrupt flag, a list
-    that raises the flag while layer 0 runs when it holds an entry (as an arrival would), and the
-    count of layer 0's runs."""
-    llm = tiny_llm(model, short_prefill_interrupt=8)
+def paused_engine(model, tmp_path, monkeypatch: pytest.MonkeyPatch, **overrides: object):  # type: ignore[no-untyped-def]
+    """The tiny model on its layer modules with short-prefill pauses on (and ``overrides``), its
+    interrupt flag, a list that raises the flag while layer 0 runs when it holds an entry (as an
+    arrival would), and the count of layer 0's runs."""
+    llm = tiny_llm(model, short_prefill_interrupt=8, **overrides)
     core = llm.engine
     net = core.executor.runner.model
     if hasattr(net, "decode_stack"):
@@ -216,5 +265,41 @@ def test_a_request_aborted_while_its_step_is_paused_ends_when_the_step_has(
         step()
     assert tokens["a"] == model.greedy(prompts["a"], 1)
     assert {name: tokens[name] for name in "bc"} == {name: model.greedy(prompts[name], 6) for name in "bc"}
+    core.kv_manager.check_integrity()
+    assert core.kv_manager.all_free_or_cached()
+
+
+def test_lpm_runs_a_burst_sharing_a_new_prefix_before_the_prompt_that_started_just_ahead_of_it(
+    model,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, flag, _, layer_0_runs = paused_engine(
+        model, tmp_path, monkeypatch, policy="lpm", max_num_batched_tokens=24
+    )
+    shared = [100 + i for i in range(16)]
+    prompts = {
+        "a": [11 + i for i in range(20)],
+        "b": shared + [1, 2],
+        "c": shared + [3, 4],
+        "d": shared + [5, 6],
+    }
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    step = stepper(core, tokens)
+    core.add_request(request("a", prompts["a"], 4))
+    flag.raise_()  # raised by the burst's first request: a's step stops before its first layer
+    assert step() == []
+    assert core.num_paused_steps == 1
+    flag.clear()
+    for name in "bcd":
+        core.add_request(request(name, prompts[name], 4))
+    layer_0_runs.clear()
+    # a's step was put back: the burst's first tokens come first (b computes the prefix they share).
+    assert step() == ["b", "c", "d"]
+    assert core.num_replanned_steps == 1 and len(layer_0_runs) == 1
+    while core.has_unfinished_requests():
+        step()
+    assert core.num_replanned_steps == 1
+    assert tokens == {name: model.greedy(prompt, 4) for name, prompt in prompts.items()}
     core.kv_manager.check_integrity()
     assert core.kv_manager.all_free_or_cached()

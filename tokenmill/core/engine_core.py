@@ -97,6 +97,7 @@ class EngineCore:
         self._paused: PausedStep | None = None
         self._aborted_while_paused: list[str] = []
         self.num_paused_steps = 0  # pauses, counting each of a step that paused more than once
+        self.num_replanned_steps = 0  # paused steps put back for better-ranked waiting requests
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
         )
@@ -205,6 +206,17 @@ class EngineCore:
         """A step while a planned step is paused: the arrivals' pass (``Scheduler.schedule_beside``),
         once per pause and when it has requests; else the paused step goes on, and may pause again
         until it has paused ``MAX_PAUSES_PER_STEP`` times."""
+        if (
+            not paused.beside_ran
+            and self._second_pass is None
+            and self.scheduler.replan_paused(paused.plan, self.executor.fraction_done(paused.suspended))
+        ):
+            # Put back for waiting requests that now rank above it: plan anew (nothing was sent).
+            self._paused = None
+            self.num_replanned_steps += 1
+            aborted, self._aborted_while_paused = self._aborted_while_paused, []
+            self.scheduler.abort(aborted)
+            return self.step()
         forced_before = self.scheduler.num_forced_tokens_total
         started = time.perf_counter()
         if not paused.beside_ran:

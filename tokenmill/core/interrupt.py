@@ -16,7 +16,10 @@ after sending such a request; the model checks it between decoder layers and sto
   stream going into the next layer (``StepPaused``); the engine core reads its input, runs a pass
   of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
   preemption, no running request), sends their first tokens, then goes on with the paused step from
-  that layer. Nothing is computed twice. A step pauses at most
+  that layer. Nothing is computed twice. Under ``lpm`` a paused step of fresh prompts that has run
+  at most a quarter of its layers is instead put back when a waiting request now ranks above all of
+  its requests (a burst sharing a new prefix arrived just after an unrelated prompt started:
+  ``Scheduler.replan_paused``); those requests wait again, once at most. A step pauses at most
   ``MAX_PAUSES_PER_STEP`` times and a resumed pass runs a layer before it stops again, so its
   requests keep moving; aborts of its requests wait until it ends (their blocks are its to write).
 - **Abandoned** (plans the scheduler marks ``interruptible``, for TTFT tiers: any step that computes

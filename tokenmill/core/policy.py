@@ -44,6 +44,13 @@ class WaitingPolicy:
         """Waiting requests, best first. The scheduler may stop iterating at any point."""
         raise NotImplementedError
 
+    def outranks(self, started: list[Request]) -> bool:
+        """Whether a waiting request would have gone before every one of ``started`` (requests whose
+        first step has barely begun) had they still been waiting. Only ``lpm`` reorders work already
+        started (its ranking depends on who else waits, and a burst of related requests may arrive
+        just after an unrelated one started); the other policies never do."""
+        return False
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -99,14 +106,31 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
             return iter(queue)
         resumed = [r for r in queue if r.num_preemptions > 0]
         fresh = [r for r in queue if r.num_preemptions == 0]
-        cached = [self._prefix_length(r) for r in fresh]
+        return iter(resumed + self._ranked(fresh))
+
+    def outranks(self, started: list[Request]) -> bool:
+        """Ranks ``started`` ahead of the fresh waiting requests (they came first) and says whether
+        one of those still ranks first: a longer cached prefix, or more waiting requests that would
+        share what it computes next. Past ``max_ranked`` waiting requests (FCFS order), never."""
+        if not started or len(self._queue) + len(started) > self._max_ranked:
+            return False
+        fresh = [r for r in self._queue if r.num_preemptions == 0]
+        if not fresh:
+            return False
+        first = self._ranked([*started, *fresh])[0]
+        return all(first is not r for r in started)
+
+    def _ranked(self, requests: list[Request]) -> list[Request]:
+        """``requests`` by cached prefix (longest first), then by how many of them share their next
+        tokens, then in the given order."""
+        cached = [self._prefix_length(r) for r in requests]
         next_tokens = [
             (r.cache_salt, c, tuple(r.all_token_ids[c : c + NEXT_TOKENS_COMPARED]))
-            for r, c in zip(fresh, cached)
+            for r, c in zip(requests, cached)
         ]
         sharing = Counter(next_tokens)
-        order = sorted(range(len(fresh)), key=lambda i: (-cached[i], -sharing[next_tokens[i]], i))
-        return iter(resumed + [fresh[i] for i in order])
+        order = sorted(range(len(requests)), key=lambda i: (-cached[i], -sharing[next_tokens[i]], i))
+        return [requests[i] for i in order]
 
 
 POLICIES: tuple[str, ...] = ("fcfs", "lpm", "vtc")

@@ -58,6 +58,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Put back to wait once by the ``lpm`` policy just after its first step began
+        # (``Scheduler.replan_paused``); never again.
+        self.replanned = False
         # Prompt positions whose logprobs were already computed and sent (survives preemption).
         self.num_prompt_logprobs_done = 0
         # The first prompt token has no context, so its entry is None (also for a one-token prompt).

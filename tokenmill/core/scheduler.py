@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 # How many recent first-token steps of their own bound the steps of worse tiers (their median).
 FIRST_TOKEN_STEPS_KEPT = 16
+# A paused step of fresh prompts that has run at most this share of its layers may be put back when
+# waiting requests rank above its own (``Scheduler.replan_paused``): little is recomputed.
+REPLAN_MAX_FRACTION_DONE = 0.25
 # How many waiting requests (the oldest) the ``ttft`` admission averages the prompt work of.
 ADMISSION_SAMPLE = 32
 
@@ -338,6 +341,40 @@ class Scheduler:
                 self._start_running(request, request.num_computed_tokens, plan)
                 budget.take(request.tier, num_new)
         return SchedulerOutput(scheduled=plan)
+
+    def replan_paused(self, plan: SchedulerOutput, fraction_done: float) -> bool:
+        """Put a barely started step back when the waiting queue's policy now ranks a waiting request
+        above all of its requests (only ``lpm`` does: a burst of requests sharing a new prefix arrived
+        just after an unrelated prompt started); True when it did. The step (paused between layers
+        after ``fraction_done`` of them, at most ``REPLAN_MAX_FRACTION_DONE``) must hold only the
+        first chunks of fresh prompts of one class, none of them put back before: its requests
+        release their blocks (the layers it ran are recomputed later, the cached prefix they matched
+        stays in the tree) and wait again at the front of their class, ranked with the rest; the
+        caller drops the paused step. A request is put back at most once, so none waits for ever."""
+        if fraction_done > REPLAN_MAX_FRACTION_DONE or not plan.scheduled:
+            return False
+        started = [self.requests[entry.request_id] for entry in plan.scheduled]
+        keys = {self.tiers.class_key(r) for r in started}
+        if len(keys) != 1 or not all(
+            r.status == RequestStatus.RUNNING
+            and not r.output_token_ids
+            and r.num_preemptions == 0
+            and not r.replanned
+            and r.group_id is None
+            and entry.start_position == r.num_cached_tokens
+            for r, entry in zip(started, plan.scheduled)
+        ):
+            return False
+        if not self.waiting.outranks_in(keys.pop(), started):
+            return False
+        for request in reversed(started):
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            request.replanned = True
+            self.waiting.prepend(request)
+        return True
 
     def step_interrupted(self, plan: SchedulerOutput) -> None:
         """``plan`` was abandoned between layers (``core/interrupt.py``): nothing of it was computed, so

@@ -208,6 +208,12 @@ class TieredQueue(WaitingPolicy):
         queue = self._classes.get(key)
         return queue.ordered() if queue is not None else iter(())
 
+    def outranks_in(self, key: ClassKey, started: list[Request]) -> bool:
+        """Whether a waiting request of class ``key`` ranks above all of ``started`` (requests of that
+        class whose first step has barely begun; ``WaitingPolicy.outranks``)."""
+        queue = self._classes.get(key)
+        return queue is not None and queue.outranks(started)
+
     def ordered(self) -> Iterator[Request]:
         for key in self.class_keys():
             yield from self.ordered_in(key)

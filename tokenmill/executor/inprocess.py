@@ -32,6 +32,11 @@ class InProcessExecutor:
         assert isinstance(suspended, SuspendedStep)
         return self.runner.resume(suspended, may_pause)
 
+    def fraction_done(self, suspended: object) -> float:
+        """The share of its layers a paused step has run (``SuspendedStep.fraction_done``)."""
+        assert isinstance(suspended, SuspendedStep)
+        return suspended.fraction_done
+
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """See ``ModelRunner.set_interrupt``."""
         self.runner.set_interrupt(flag)

@@ -256,6 +256,7 @@ class EngineLoop:
             "num_preemptions": self.core.scheduler.num_preemptions_total,
             "num_interrupted_steps": self.core.num_interrupted_steps,
             "num_paused_steps": self.core.num_paused_steps,
+            "num_replanned_steps": self.core.num_replanned_steps,
             **{f"num_running_{tier}": n for tier, n in self.core.scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in self.core.scheduler.waiting.waiting_by_tier().items()},
         }

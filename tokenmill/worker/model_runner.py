@@ -425,6 +425,12 @@ class SuspendedStep:
     sample_entries: list[ScheduledRequest]
     prompt_rows: list[tuple[str, list[int], int]]
 
+    @property
+    def fraction_done(self) -> float:
+        """The share of the model's layers a paused forward has run (0.0 when it has not started)."""
+        progress = self.batch.resume_from
+        return 0.0 if progress is None else progress.next_layer / len(self.batch.kv_caches)
+
 
 def _to_position_logprobs(
     ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor, num_top: int

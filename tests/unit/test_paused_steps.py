@@ -116,6 +116,48 @@ def test_the_arrivals_pass_never_preempts_nor_joins_prefixes_in_flight() -> None
     h.assert_outputs_match_reference()
 
 
+def test_the_ttft_admission_serves_arrivals_one_pass_each_where_their_prefills_cost_more_than_a_pass() -> (
+    None
+):
+    def trained(fixed: float, per_token: float) -> TierHarness:
+        """A paused decode step, the step-time model trained on steps of ``fixed + per_token`` each."""
+        h = TierHarness(
+            budget=64,
+            short_prefill_interrupt=8,
+            admission="ttft",
+            seconds_per_step=lambda plan: fixed + per_token * plan.num_tokens,
+        )
+        h.add("a", prompt_of(20, 1), max_tokens=12)
+        for _ in range(6):
+            h.finish_step(h.scheduler.schedule())
+        assert h.scheduler.step_time.coefficients is not None
+        return h
+
+    # A pass costs little beside the arrivals' 6 tokens each: one arrival a pass (the mean wait of two
+    # is 1.5 prefills instead of 2), the second in the next pass.
+    h = trained(0.001, 0.001)
+    paused = h.scheduler.schedule()
+    h.add("b", prompt_of(6, 300), max_tokens=2)
+    h.add("c", prompt_of(6, 500), max_tokens=2)
+    first = h.scheduler.schedule_beside()
+    assert ids(first) == ["b"]
+    h.finish_step(first)
+    second = h.scheduler.schedule_beside()
+    assert ids(second) == ["c"]
+    h.finish_step(second)
+    assert h.scheduler.schedule_beside().is_empty  # then the paused step goes on
+    h.finish_step(paused)
+    h.run()
+    h.assert_outputs_match_reference()
+
+    # A pass's fixed cost dwarfs the arrivals' tokens: both in one pass.
+    h = trained(0.1, 0.0001)
+    paused = h.scheduler.schedule()
+    h.add("b", prompt_of(6, 300), max_tokens=2)
+    h.add("c", prompt_of(6, 500), max_tokens=2)
+    assert ids(h.scheduler.schedule_beside()) == ["b", "c"]
+
+
 def test_lpm_puts_back_a_barely_started_prompt_for_a_burst_that_shares_a_new_prefix() -> None:
     h = TierHarness(budget=24, short_prefill_interrupt=8, prefix_caching=True, policy="lpm")
     h.add("a", prompt_of(20, 1), max_tokens=3)
@@ -229,6 +271,38 @@ def test_a_step_paused_between_layers_goes_on_from_there_after_the_arrivals_pass
     assert step() == ["b"]  # the arrivals' pass: b's first token
     assert step() == ["a"]  # the paused decode goes on from layer 1
     assert len(layer_0_runs) == 1  # b's pass only
+    while core.has_unfinished_requests():
+        step()
+    assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}
+    assert core.kv_manager.all_free_or_cached()
+
+
+def test_arrivals_passes_run_one_after_another_before_the_paused_step_goes_on(
+    model,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, flag, arm, layer_0_runs = paused_engine(model, tmp_path, monkeypatch)
+    monkeypatch.setattr(core.scheduler, "_arrival_pass_cap", lambda: 1)  # one arrival a pass
+    prompts = {
+        "a": [11 + i for i in range(13)],
+        "b": [40 + i for i in range(5)],
+        "c": [70 + i for i in range(6)],
+    }
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    step = stepper(core, tokens)
+    core.add_request(request("a", prompts["a"], 6))
+    assert step() == ["a"]
+    arm.append(True)
+    assert step() == []  # a's first decode pauses before layer 1
+    flag.clear()
+    core.add_request(request("b", prompts["b"], 6))
+    core.add_request(request("c", prompts["c"], 6))
+    layer_0_runs.clear()
+    assert step() == ["b"]
+    assert step() == ["c"]  # the second arrival's pass, before the paused decode goes on
+    assert step() == ["a"]
+    assert len(layer_0_runs) == 2  # the two arrivals' passes; the decode went on from layer 1
     while core.has_unfinished_requests():
         step()
     assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}

@@ -32,6 +32,9 @@ WARM_UP_OUTPUT_TOKENS = 4
 # How often one step may pause for arrivals with short prefills: each pause delays its requests by
 # one short pass, and the bound keeps them moving under a stream of arrivals.
 MAX_PAUSES_PER_STEP = 3
+# Arrivals' passes run one after another while a step is paused, before it goes on (the arrivals'
+# pass admits as many as keep their mean time to first token least: ``Scheduler.schedule_beside``).
+MAX_ARRIVAL_PASSES_PER_PAUSE = 4
 
 
 def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_tokens: int) -> int:
@@ -56,13 +59,13 @@ def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_
 @dataclass
 class PausedStep:
     """A planned step the executor paused between layers (``StepPaused``): its plan, what the
-    executor goes on from, how often it paused, and whether the arrivals' pass ran since the last
+    executor goes on from, how often it paused, and how many arrivals' passes ran since the last
     pause."""
 
     plan: SchedulerOutput
     suspended: object
     num_pauses: int = 1
-    beside_ran: bool = False
+    arrival_passes: int = 0
 
 
 class EngineCore:
@@ -203,11 +206,12 @@ class EngineCore:
         return self._outputs(outputs, plan.num_preempted, forced_before)
 
     def _step_while_paused(self, paused: PausedStep) -> EngineCoreOutputs:
-        """A step while a planned step is paused: the arrivals' pass (``Scheduler.schedule_beside``),
-        once per pause and when it has requests; else the paused step goes on, and may pause again
-        until it has paused ``MAX_PAUSES_PER_STEP`` times."""
+        """A step while a planned step is paused: under ``lpm`` the step may first be put back
+        (``Scheduler.replan_paused``); else an arrivals' pass (``Scheduler.schedule_beside``) while
+        it has requests, up to ``MAX_ARRIVAL_PASSES_PER_PAUSE`` in a row; else the paused step goes
+        on, and may pause again until it has paused ``MAX_PAUSES_PER_STEP`` times."""
         if (
-            not paused.beside_ran
+            paused.arrival_passes == 0
             and self._second_pass is None
             and self.scheduler.replan_paused(paused.plan, self.executor.fraction_done(paused.suspended))
         ):
@@ -219,9 +223,12 @@ class EngineCore:
             return self.step()
         forced_before = self.scheduler.num_forced_tokens_total
         started = time.perf_counter()
-        if not paused.beside_ran:
-            paused.beside_ran = True
+        if paused.arrival_passes < MAX_ARRIVAL_PASSES_PER_PAUSE:
             beside = self.scheduler.schedule_beside()
+            # None left: the step goes on now, and at its next pause the arrivals' passes begin anew.
+            paused.arrival_passes = (
+                MAX_ARRIVAL_PASSES_PER_PAUSE if beside.is_empty else paused.arrival_passes + 1
+            )
             if not beside.is_empty:
                 beside.grammar_bitmask = self.structured.step_bitmask(
                     beside.scheduled, self.scheduler.requests
@@ -233,7 +240,7 @@ class EngineCore:
             result = self.executor.resume(paused.suspended, paused.num_pauses < MAX_PAUSES_PER_STEP)
         except StepPaused:
             paused.num_pauses += 1
-            paused.beside_ran = False
+            paused.arrival_passes = 0
             self.num_paused_steps += 1
             return self._outputs([], 0, forced_before)
         self._paused = None

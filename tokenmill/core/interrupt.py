@@ -15,8 +15,9 @@ after sending such a request; the model checks it between decoder layers and sto
   ``Scheduler.may_pause``). The executor keeps the step's batch and the hidden states and residual
   stream going into the next layer (``StepPaused``); the engine core reads its input, runs a pass
   of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
-  preemption, no running request), sends their first tokens, then goes on with the paused step from
-  that layer. Nothing is computed twice. Under ``lpm`` a paused step of fresh prompts that has run
+  preemption, no running request; under the ``ttft`` admission as many as keep their mean time to
+  first token least, and then another pass for the rest, up to ``MAX_ARRIVAL_PASSES_PER_PAUSE`` in a
+  row), sends their first tokens, then goes on with the paused step from that layer. Nothing is computed twice. Under ``lpm`` a paused step of fresh prompts that has run
   at most a quarter of its layers is instead put back when a waiting request now ranks above all of
   its requests (a burst sharing a new prefix arrived just after an unrelated prompt started:
   ``Scheduler.replan_paused``); those requests wait again, once at most. A step pauses at most

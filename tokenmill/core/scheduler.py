@@ -314,13 +314,18 @@ class Scheduler:
         seat limits; never preempts (the paused step's requests
         keep their blocks) and plans no running request. Requests that wait for blocks a running
         request computes (a shared prefix in flight, an n > 1 sibling) are left to the next plan.
-        The plan is neither interruptible nor pausable and may be empty.
+        Under ``admission="ttft"`` it admits as many as keep those arrivals' mean time to first token
+        least (``core/admission.py``, with only the pass's fixed cost as overhead: on a CPU two
+        arrivals' prefills take as long together as one after the other, so the first gets its token
+        in half the time); the engine core then runs another such pass for the rest before the
+        paused step goes on. The plan is neither interruptible nor pausable and may be empty.
         """
         plan: list[ScheduledRequest] = []
         budget = self._step_budget(self.clock())
+        admissions_left = self._arrival_pass_cap()
         for key in sorted(self.waiting.class_keys()):
             for request in self.waiting.ordered_in(key):
-                if len(self.running) >= self.config.max_num_seqs:
+                if len(self.running) >= self.config.max_num_seqs or admissions_left == 0:
                     break
                 num_new = request.num_tokens - self.kv.peek_prefix_tokens(request)
                 if (
@@ -340,7 +345,25 @@ class Scheduler:
                     return SchedulerOutput(scheduled=plan)  # no blocks without preemption
                 self._start_running(request, request.num_computed_tokens, plan)
                 budget.take(request.tier, num_new)
+                if admissions_left is not None:
+                    admissions_left -= 1
         return SchedulerOutput(scheduled=plan)
+
+    def _arrival_pass_cap(self) -> int | None:
+        """How many short arrivals an arrivals' pass admits (``schedule_beside``): None (all it may)
+        unless ``admission="ttft"``, else ``ttft_admission_cap`` over the waiting requests whose
+        prompts are short beyond their cached prefixes, with nothing running in the pass."""
+        if self.config.admission != "ttft":
+            return None
+        limit = self.config.short_prefill_interrupt
+        short = [
+            n
+            for n in (r.num_tokens - self.kv.peek_prefix_tokens(r) for r in self.waiting.ordered())
+            if n <= limit
+        ]
+        if not short:
+            return None
+        return ttft_admission_cap(self.step_time, 0, 0, len(short), statistics.fmean(short))
 
     def replan_paused(self, plan: SchedulerOutput, fraction_done: float) -> bool:
         """Put a barely started step back when the waiting queue's policy now ranks a waiting request

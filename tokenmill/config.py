@@ -115,6 +115,13 @@ class CacheConfig:
     same memory and halves the bytes attention reads; keys and values are rounded to it as they are
     stored, and attention computes in float32 as before (opt-in: outputs then differ from a float32
     cache's by that rounding).
+    ``prefault``: on a CPU the cache is an anonymous memory map whose pages the kernel maps on first
+    write; with ``prefault`` the server's engine maps them ahead of use whenever it is idle, a few
+    blocks at a time in the order the pool hands them out (``worker/kv_cache.py``,
+    ``IdlePrefaulter``), so steps stop less for page faults on new blocks (a prompt's blocks stay in
+    the prefix cache, so new work lands on untouched memory until the pool is full). Start-up is
+    unchanged; resident memory grows to the whole pool over the idle time. ``tokenmill serve``'s
+    default on CPUs; ``LLM`` never idles, so it has no effect there.
     """
 
     block_size: int = 16
@@ -122,6 +129,7 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    prefault: bool = False
 
 
 @dataclass

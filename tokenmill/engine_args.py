@@ -168,6 +168,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the KV cache's element type (auto: the model's dtype); a 16-bit cache under a float32 "
         "model holds twice the tokens and rounds keys and values to 16 bits",
     )
+    cache.add_argument(
+        "--kv-prefault",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="map the KV cache's pages ahead of use while the engine is idle, so steps stop less for "
+        "page faults on new blocks (resident memory grows to the whole pool; default: on CPUs, where "
+        "the cache is a lazily mapped memory map)",
+    )
     scheduler = parser.add_argument_group("scheduler")
     scheduler.add_argument(
         "--max-num-batched-tokens",
@@ -295,6 +303,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks,
         "enable_prefix_caching": not args.no_prefix_cache,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "prefault": bool(on_cpu_default(args.kv_prefault, args.device, 1)),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,

@@ -1,20 +1,24 @@
 """`tokenmill serve`'s defaults that differ on CPUs: the engine process's CPU priority
-(``--engine-niceness``, 5) and short prefills cutting decode steps (``--short-prefill-interrupt``,
-256 tokens); 0 on accelerators and in the Python API."""
+(``--engine-niceness``, 5), short prefills cutting decode steps (``--short-prefill-interrupt``,
+256 tokens) and the KV cache's pages mapped ahead of use while the engine is idle
+(``--kv-prefault``); off on accelerators and in the Python API. And what the prefaulter does to the
+cache's memory map."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
+import torch
 
-from tokenmill.config import EngineConfig, SchedulerConfig, build_engine_config
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, build_engine_config
 from tokenmill.engine_args import (
     CPU_ENGINE_NICENESS,
     CPU_SHORT_PREFILL_INTERRUPT,
     add_engine_args,
     engine_kwargs,
 )
+from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches
 
 
 def engine_config(*argv: str) -> EngineConfig:
@@ -52,3 +56,50 @@ def test_short_prefills_cut_steps_by_default_on_cpus_in_servers_only() -> None:
     assert scheduler("--short-prefill-interrupt", "0", "--tier-slo", "priority:ttft=0.5").cuts_steps()
     with pytest.raises(ValueError, match="short_prefill_interrupt must be >= 0 tokens, got -1"):
         SchedulerConfig(short_prefill_interrupt=-1).validate()
+
+
+def test_cpu_servers_map_the_kv_cache_at_start_up_by_default() -> None:
+    assert not CacheConfig().prefault  # the Python API: pages are mapped as blocks are first written
+    assert engine_config().cache.prefault
+    assert not engine_config("--no-kv-prefault").cache.prefault
+    assert not engine_config("--device", "cuda").cache.prefault
+    assert engine_config("--device", "cuda", "--kv-prefault").cache.prefault
+
+
+def resident_kib(address: int) -> int:
+    """The resident size of this process's mapping that starts at ``address`` (``/proc/self/smaps``)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_the_idle_prefaulter_maps_the_cache_block_by_block_and_changes_no_contents() -> None:
+    caches = allocate_kv_caches(
+        512,
+        num_layers=4,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    size_kib = 4 * 2 * 512 * 16 * 2 * 64 * 2 // 1024  # 16 MiB
+    address = caches[0].data_ptr()
+    assert resident_kib(address) < size_kib // 16  # nothing written yet: the pages are not mapped
+    caches[2][1, 300].fill_(1.5)  # a block written before its turn (values of layer 2)
+    prefaulter = IdlePrefaulter(caches, blocks_per_step=128)
+    assert prefaulter.step() and not prefaulter.done  # blocks 0-127 of every layer
+    assert size_kib // 4 <= resident_kib(address) < size_kib // 2
+    assert prefaulter.step() and prefaulter.step()
+    assert not prefaulter.step() and prefaulter.done  # the last 128
+    assert resident_kib(address) >= size_kib
+    assert not prefaulter.step()  # nothing left to do
+    assert bool((caches[2][1, 300] == 1.5).all())
+    caches[2][1, 300].zero_()
+    assert all(not cache.any() for cache in caches)  # every other value still zero

@@ -281,6 +281,11 @@ class EngineCore:
                 self.num_split_steps += 1
         return plan
 
+    def prefault_while_idle(self) -> bool:
+        """Map the next few KV blocks' pages ahead of use (``CacheConfig.prefault``; a few
+        milliseconds at most); whether more remain. For a caller with nothing else to do."""
+        return self.executor.prefault_while_idle()
+
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """Let steps the scheduler marks interruptible be abandoned when ``flag`` is raised
         (``core/interrupt.py``)."""

@@ -37,6 +37,10 @@ class InProcessExecutor:
         assert isinstance(suspended, SuspendedStep)
         return suspended.fraction_done
 
+    def prefault_while_idle(self) -> bool:
+        """See ``ModelRunner.prefault_while_idle``."""
+        return self.runner.prefault_while_idle()
+
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """See ``ModelRunner.set_interrupt``."""
         self.runner.set_interrupt(flag)

@@ -159,7 +159,8 @@ class EngineLoop:
                 logger.warning("the server process is gone; the engine exits")
                 return 0
             busy = self.core.has_unfinished_requests()
-            if not busy and not self.input.poll(IDLE_POLL_MS):
+            # Idle: map the KV cache's next pages, then look for input without waiting while any remain.
+            if not busy and not self.input.poll(0 if self.core.prefault_while_idle() else IDLE_POLL_MS):
                 continue
             self._drain_input()
             if self._stopping:

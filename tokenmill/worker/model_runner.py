@@ -30,7 +30,7 @@ from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draw
 from tokenmill.structured.manager import GrammarBitmask
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch, LayerProgress
-from tokenmill.worker.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,10 @@ class ModelRunner:
             dtype=kv_dtype,
             device=self.device,
         )
+        # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault).
+        self.kv_prefaulter = (
+            IdlePrefaulter(self.kv_caches) if config.cache.prefault and self.device.type == "cpu" else None
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s",
             self.num_blocks,
@@ -197,6 +201,10 @@ class ModelRunner:
         return layers, heads
 
     # ------------------------------------------------------------------ one step
+
+    def prefault_while_idle(self) -> bool:
+        """Map the next few KV blocks' pages (``IdlePrefaulter.step``); whether more remain."""
+        return self.kv_prefaulter is not None and self.kv_prefaulter.step()
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -116,9 +116,7 @@ def test_the_arrivals_pass_never_preempts_nor_joins_prefixes_in_flight() -> None
     h.assert_outputs_match_reference()
 
 
-def test_the_ttft_admission_serves_arrivals_one_pass_each_where_their_prefills_cost_more_than_a_pass() -> (
-    None
-):
+def test_ttft_admission_gives_arrivals_a_pass_each_when_their_tokens_outweigh_a_pass() -> None:
     def trained(fixed: float, per_token: float) -> TierHarness:
         """A paused decode step, the step-time model trained on steps of ``fixed + per_token`` each."""
         h = TierHarness(
@@ -250,14 +248,24 @@ def llama_or_gemma3(request: pytest.FixtureRequest) -> TinyModel:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
 
-def test_a_step_paused_between_layers_goes_on_from_there_after_the_arrivals_pass(
+@pytest.mark.parametrize("arrivals", [["b"], ["b", "c"]])
+def test_a_step_paused_between_layers_goes_on_from_there_after_the_arrivals_passes(
     llama_or_gemma3: TinyModel,
+    arrivals: list[str],
     tmp_path,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With the arrivals' pass admitting one request at a time, each arrival gets a pass of its own
+    before the paused decode goes on."""
     model = llama_or_gemma3
     core, flag, arm, layer_0_runs = paused_engine(model, tmp_path, monkeypatch)
-    prompts = {"a": [11 + i for i in range(13)], "b": [40 + i for i in range(5)]}
+    monkeypatch.setattr(core.scheduler, "_arrival_pass_cap", lambda: 1)
+    every_prompt = {
+        "a": [11 + i for i in range(13)],
+        "b": [40 + i for i in range(5)],
+        "c": [70 + i for i in range(6)],
+    }
+    prompts = {name: every_prompt[name] for name in ["a", *arrivals]}
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
     step = stepper(core, tokens)
     core.add_request(request("a", prompts["a"], 6))
@@ -266,43 +274,13 @@ def test_a_step_paused_between_layers_goes_on_from_there_after_the_arrivals_pass
     assert step() == []  # a's first decode pauses before layer 1
     assert core.num_paused_steps == 1 and core.has_unfinished_requests()
     flag.clear()  # as the engine loop does before it reads its input
-    core.add_request(request("b", prompts["b"], 6))
+    for name in arrivals:
+        core.add_request(request(name, prompts[name], 6))
     layer_0_runs.clear()
-    assert step() == ["b"]  # the arrivals' pass: b's first token
+    for name in arrivals:
+        assert step() == [name]  # an arrivals' pass: its first token
     assert step() == ["a"]  # the paused decode goes on from layer 1
-    assert len(layer_0_runs) == 1  # b's pass only
-    while core.has_unfinished_requests():
-        step()
-    assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}
-    assert core.kv_manager.all_free_or_cached()
-
-
-def test_arrivals_passes_run_one_after_another_before_the_paused_step_goes_on(
-    model,  # type: ignore[no-untyped-def]
-    tmp_path,  # type: ignore[no-untyped-def]
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    core, flag, arm, layer_0_runs = paused_engine(model, tmp_path, monkeypatch)
-    monkeypatch.setattr(core.scheduler, "_arrival_pass_cap", lambda: 1)  # one arrival a pass
-    prompts = {
-        "a": [11 + i for i in range(13)],
-        "b": [40 + i for i in range(5)],
-        "c": [70 + i for i in range(6)],
-    }
-    tokens: dict[str, list[int]] = {name: [] for name in prompts}
-    step = stepper(core, tokens)
-    core.add_request(request("a", prompts["a"], 6))
-    assert step() == ["a"]
-    arm.append(True)
-    assert step() == []  # a's first decode pauses before layer 1
-    flag.clear()
-    core.add_request(request("b", prompts["b"], 6))
-    core.add_request(request("c", prompts["c"], 6))
-    layer_0_runs.clear()
-    assert step() == ["b"]
-    assert step() == ["c"]  # the second arrival's pass, before the paused decode goes on
-    assert step() == ["a"]
-    assert len(layer_0_runs) == 2  # the two arrivals' passes; the decode went on from layer 1
+    assert len(layer_0_runs) == len(arrivals)  # the arrivals' passes only
     while core.has_unfinished_requests():
         step()
     assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}

@@ -17,10 +17,11 @@ after sending such a request; the model checks it between decoder layers and sto
   of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
   preemption, no running request; under the ``ttft`` admission as many as keep their mean time to
   first token least, and then another pass for the rest, up to ``MAX_ARRIVAL_PASSES_PER_PAUSE`` in a
-  row), sends their first tokens, then goes on with the paused step from that layer. Nothing is computed twice. Under ``lpm`` a paused step of fresh prompts that has run
-  at most a quarter of its layers is instead put back when a waiting request now ranks above all of
-  its requests (a burst sharing a new prefix arrived just after an unrelated prompt started:
-  ``Scheduler.replan_paused``); those requests wait again, once at most. A step pauses at most
+  row), sends their first tokens, then goes on with the paused step from that layer. Nothing is
+  computed twice. Under ``lpm`` a paused step of fresh prompts that has run at most a quarter of its
+  layers is instead put back when a waiting request now ranks above all of its requests (a burst
+  sharing a new prefix arrived just after an unrelated prompt started: ``Scheduler.replan_paused``);
+  those requests wait again, once at most. A step pauses at most
   ``MAX_PAUSES_PER_STEP`` times and a resumed pass runs a layer before it stops again, so its
   requests keep moving; aborts of its requests wait until it ends (their blocks are its to write).
 - **Abandoned** (plans the scheduler marks ``interruptible``, for TTFT tiers: any step that computes

@@ -356,11 +356,8 @@ class Scheduler:
         if self.config.admission != "ttft":
             return None
         limit = self.config.short_prefill_interrupt
-        short = [
-            n
-            for n in (r.num_tokens - self.kv.peek_prefix_tokens(r) for r in self.waiting.ordered())
-            if n <= limit
-        ]
+        waiting = (r for r in self.requests.values() if r.status != RequestStatus.RUNNING)
+        short = [n for n in (r.num_tokens - self.kv.peek_prefix_tokens(r) for r in waiting) if n <= limit]
         if not short:
             return None
         return ttft_admission_cap(self.step_time, 0, 0, len(short), statistics.fmean(short))

@@ -119,3 +119,37 @@ def test_lpm_serves_the_largest_group_of_a_new_prefix_first() -> None:
     assert kv.prefix_hit_tokens == 2 * 16
     assert kv.all_free_or_cached()
     kv.check_integrity()
+
+
+def test_lpm_puts_a_started_prompt_back_only_when_the_burst_gains_more_than_the_lost_work() -> None:
+    policy = make_policy("lpm", prefix_length=lambda request: 0)  # nothing cached
+    prefix_of = {group: [100 * group + i for i in range(16)] for group in range(1, 9)}
+
+    def member(group: int, index: int) -> Request:
+        return make_request(
+            f"g{group}-{index}", prefix_of[group] + [1000 + 8 * group + index] * 4
+        )  # 20 tokens
+
+    started = [member(1, 0)]  # a prompt alone in its group; its step is paused
+    burst = [member(2, i) for i in range(4)]
+    for request in burst:
+        policy.add(request)
+    # Going on costs the four of the burst 3/4 of the started step each; putting it back costs the
+    # started prompt the burst's first step and what it ran. Early on, the burst goes first.
+    assert policy.outranks(started, fraction_done=0.05)
+    assert not policy.outranks(started, fraction_done=0.7)
+    # Eleven unrelated prompts wait too: each would wait through the lost work as well.
+    for group in range(3, 9):
+        for index in range(2 if group < 8 else 1):
+            policy.add(member(group, index))
+    assert policy.outranks(started, fraction_done=0.05)
+    assert not policy.outranks(started, fraction_done=0.3)
+    # The started prompt's own group waiting behind it weighs for going on (it would wait as long).
+    policy.add(member(1, 1))
+    policy.add(member(1, 2))
+    assert policy.outranks(started, fraction_done=0.0)
+    assert not policy.outranks(started, fraction_done=0.1)
+    # A first-ranked started request is never put back; nor is anything without a fresh waiting one.
+    assert not policy.outranks([member(2, 9)], fraction_done=0.0)
+    assert not make_policy("lpm", prefix_length=lambda request: 0).outranks(started, fraction_done=0.0)
+    assert not make_policy("fcfs").outranks(started, fraction_done=0.0)

@@ -44,11 +44,11 @@ class WaitingPolicy:
         """Waiting requests, best first. The scheduler may stop iterating at any point."""
         raise NotImplementedError
 
-    def outranks(self, started: list[Request]) -> bool:
-        """Whether a waiting request would have gone before every one of ``started`` (requests whose
-        first step has barely begun) had they still been waiting. Only ``lpm`` reorders work already
-        started (its ranking depends on who else waits, and a burst of related requests may arrive
-        just after an unrelated one started); the other policies never do."""
+    def outranks(self, started: list[Request], fraction_done: float) -> bool:
+        """Whether a waiting request should go before ``started`` (requests whose first step has run
+        ``fraction_done`` of its layers and is paused) although that step's work is then lost. Only
+        ``lpm`` reorders work already started (its ranking depends on who else waits, and a burst of
+        related requests may arrive just after an unrelated one started); the others never do."""
         return False
 
     def __len__(self) -> int:
@@ -108,26 +108,58 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
         fresh = [r for r in queue if r.num_preemptions == 0]
         return iter(resumed + self._ranked(fresh))
 
-    def outranks(self, started: list[Request]) -> bool:
-        """Ranks ``started`` ahead of the fresh waiting requests (they came first) and says whether
-        one of those still ranks first: a longer cached prefix, or more waiting requests that would
-        share what it computes next. Past ``max_ranked`` waiting requests (FCFS order), never."""
+    def outranks(self, started: list[Request], fraction_done: float) -> bool:
+        """Ranks ``started`` ahead of the fresh waiting requests (they came first); when one of those
+        still ranks first (a longer cached prefix, or more waiting requests that would share what it
+        computes next), says whether going first lowers the waiting requests' summed time to first
+        token despite the lost work. Past ``max_ranked`` waiting requests (FCFS order), never.
+
+        An exchange of two first steps, with times in proportion to the tokens they compute: the
+        paused step S (``W_S`` tokens, ``fraction_done`` ``f`` of them run) and the first-ranked
+        request's A (``W_A``), which ``w_S`` and ``w_A`` waiting requests share (their own short
+        steps follow). Going on, A's group waits ``(1 - f) W_S`` longer; putting S back, S's group
+        waits ``W_A + f W_S`` longer and the ``n_rest`` others ``f W_S`` (the lost work). So A goes
+        first only when ``w_A (1 - f) W_S > w_S (W_A + f W_S) + n_rest f W_S``: a burst that took a
+        while to arrive rarely pays for the work it would throw away."""
         if not started or len(self._queue) + len(started) > self._max_ranked:
             return False
         fresh = [r for r in self._queue if r.num_preemptions == 0]
         if not fresh:
             return False
-        first = self._ranked([*started, *fresh])[0]
-        return all(first is not r for r in started)
+        requests = [*started, *fresh]
+        cached, next_tokens = self._next_tokens(requests)
+        sharing = Counter(next_tokens)
+        first = self._ranked(requests)[0]
+        if any(first is r for r in started):
+            return False
+        first_key = next_tokens[requests.index(first)]
+        started_keys = set(next_tokens[: len(started)])
+        w_first = sharing[first_key]
+        w_started = sum(sharing[k] for k in started_keys)
+        n_rest = len(requests) - w_first - w_started
+        work_started = sum(r.num_tokens - c for r, c in zip(started, cached))
+        work_first = first.num_tokens - cached[requests.index(first)]
+        f = fraction_done
+        gain = w_first * (1 - f) * work_started
+        loss = w_started * (work_first + f * work_started) + n_rest * f * work_started
+        return gain > loss
+
+    def _next_tokens(
+        self, requests: list[Request]
+    ) -> tuple[list[int], list[tuple[str | None, int, tuple[int, ...]]]]:
+        """Each request's cached prefix length and what it computes next (its cache salt, that length
+        and the ``NEXT_TOKENS_COMPARED`` tokens past it): requests with equal keys share that work."""
+        cached = [self._prefix_length(r) for r in requests]
+        keys = [
+            (r.cache_salt, c, tuple(r.all_token_ids[c : c + NEXT_TOKENS_COMPARED]))
+            for r, c in zip(requests, cached)
+        ]
+        return cached, keys
 
     def _ranked(self, requests: list[Request]) -> list[Request]:
         """``requests`` by cached prefix (longest first), then by how many of them share their next
         tokens, then in the given order."""
-        cached = [self._prefix_length(r) for r in requests]
-        next_tokens = [
-            (r.cache_salt, c, tuple(r.all_token_ids[c : c + NEXT_TOKENS_COMPARED]))
-            for r, c in zip(requests, cached)
-        ]
+        cached, next_tokens = self._next_tokens(requests)
         sharing = Counter(next_tokens)
         order = sorted(range(len(requests)), key=lambda i: (-cached[i], -sharing[next_tokens[i]], i))
         return [requests[i] for i in order]

@@ -363,9 +363,10 @@ class Scheduler:
         return ttft_admission_cap(self.step_time, 0, 0, len(short), statistics.fmean(short))
 
     def replan_paused(self, plan: SchedulerOutput, fraction_done: float) -> bool:
-        """Put a barely started step back when the waiting queue's policy now ranks a waiting request
-        above all of its requests (only ``lpm`` does: a burst of requests sharing a new prefix arrived
-        just after an unrelated prompt started); True when it did. The step (paused between layers
+        """Put a barely started step back when the waiting queue's policy now puts a waiting request
+        before all of its requests, the work lost counted (only ``lpm`` does: a burst of requests
+        sharing a new prefix arrived just after an unrelated prompt started; ``WaitingPolicy.outranks``);
+        True when it did. The step (paused between layers
         after ``fraction_done`` of them, at most ``REPLAN_MAX_FRACTION_DONE``) must hold only the
         first chunks of fresh prompts of one class, none of them put back before: its requests
         release their blocks (the layers it ran are recomputed later, the cached prefix they matched
@@ -385,7 +386,7 @@ class Scheduler:
             for r, entry in zip(started, plan.scheduled)
         ):
             return False
-        if not self.waiting.outranks_in(keys.pop(), started):
+        if not self.waiting.outranks_in(keys.pop(), started, fraction_done):
             return False
         for request in reversed(started):
             self.running.remove(request)

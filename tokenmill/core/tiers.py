@@ -208,11 +208,11 @@ class TieredQueue(WaitingPolicy):
         queue = self._classes.get(key)
         return queue.ordered() if queue is not None else iter(())
 
-    def outranks_in(self, key: ClassKey, started: list[Request]) -> bool:
-        """Whether a waiting request of class ``key`` ranks above all of ``started`` (requests of that
-        class whose first step has barely begun; ``WaitingPolicy.outranks``)."""
+    def outranks_in(self, key: ClassKey, started: list[Request], fraction_done: float) -> bool:
+        """Whether a waiting request of class ``key`` should go before ``started`` (requests of that
+        class whose first step ran ``fraction_done`` of its layers; ``WaitingPolicy.outranks``)."""
         queue = self._classes.get(key)
-        return queue is not None and queue.outranks(started)
+        return queue is not None and queue.outranks(started, fraction_done)
 
     def ordered(self) -> Iterator[Request]:
         for key in self.class_keys():

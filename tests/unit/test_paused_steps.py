@@ -355,3 +355,37 @@ def test_lpm_runs_a_burst_sharing_a_new_prefix_before_the_prompt_that_started_ju
     assert tokens == {name: model.greedy(prompt, 4) for name, prompt in prompts.items()}
     core.kv_manager.check_integrity()
     assert core.kv_manager.all_free_or_cached()
+
+
+def test_lpm_counts_a_paused_steps_time_as_the_work_it_would_lose(
+    model,  # type: ignore[no-untyped-def]
+    tmp_path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Paused before its first layer ended, but after running longer than a whole step is predicted
+    to take (a cold first step's first layers are slow): the step goes on, and the burst follows."""
+    core, flag, _, _ = paused_engine(model, tmp_path, monkeypatch, policy="lpm", max_num_batched_tokens=24)
+    for tokens, seqs in ((1, 1), (8, 2), (20, 1), (4, 4), (16, 3), (2, 1)):
+        core.scheduler.step_time.observe(tokens, seqs, 1e-7)  # every step predicted to take ~nothing
+    shared = [100 + i for i in range(16)]
+    prompts = {
+        "a": [11 + i for i in range(20)],
+        "b": shared + [1, 2],
+        "c": shared + [3, 4],
+        "d": shared + [5, 6],
+    }
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    step = stepper(core, tokens)
+    core.add_request(request("a", prompts["a"], 4))
+    flag.raise_()
+    assert step() == []  # paused
+    flag.clear()
+    for name in "bcd":
+        core.add_request(request(name, prompts[name], 4))
+    assert step() == ["a"]  # not put back: it went on
+    assert core.num_replanned_steps == 0
+    while core.has_unfinished_requests():
+        step()
+    assert tokens == {name: model.greedy(prompt, 4) for name, prompt in prompts.items()}
+    core.kv_manager.check_integrity()
+    assert core.kv_manager.all_free_or_cached()

@@ -59,11 +59,12 @@ def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_
 @dataclass
 class PausedStep:
     """A planned step the executor paused between layers (``StepPaused``): its plan, what the
-    executor goes on from, how often it paused, and how many arrivals' passes ran since the last
-    pause."""
+    executor goes on from, the seconds it has run, how often it paused, and how many arrivals'
+    passes ran since the last pause."""
 
     plan: SchedulerOutput
     suspended: object
+    ran_seconds: float
     num_pauses: int = 1
     arrival_passes: int = 0
 
@@ -198,7 +199,7 @@ class EngineCore:
         except StepPaused as paused:
             # Paused between layers for arrivals with short prefills: their pass runs next, then
             # this one goes on (core/interrupt.py).
-            self._paused = PausedStep(plan, paused.suspended)
+            self._paused = PausedStep(plan, paused.suspended, time.perf_counter() - started)
             self.num_paused_steps += 1
             return self._outputs(failed, plan.num_preempted, forced_before)
         outputs = failed + self.scheduler.update(plan, result)
@@ -213,7 +214,7 @@ class EngineCore:
         if (
             paused.arrival_passes == 0
             and self._second_pass is None
-            and self.scheduler.replan_paused(paused.plan, self.executor.fraction_done(paused.suspended))
+            and self.scheduler.replan_paused(paused.plan, self._fraction_done(paused))
         ):
             # Put back for waiting requests that now rank above it: plan anew (nothing was sent).
             self._paused = None
@@ -236,9 +237,11 @@ class EngineCore:
                 outputs = self.scheduler.update(beside, self.executor.execute(beside))
                 self._record_step_time(beside, started)
                 return self._outputs(outputs, 0, forced_before)
+        resumed = time.perf_counter()
         try:
             result = self.executor.resume(paused.suspended, paused.num_pauses < MAX_PAUSES_PER_STEP)
         except StepPaused:
+            paused.ran_seconds += time.perf_counter() - resumed
             paused.num_pauses += 1
             paused.arrival_passes = 0
             self.num_paused_steps += 1
@@ -249,6 +252,14 @@ class EngineCore:
         self.scheduler.abort(aborted)
         outputs = self.scheduler.update(paused.plan, result)
         return self._outputs(outputs, 0, forced_before)
+
+    def _fraction_done(self, paused: PausedStep) -> float:
+        """The share of a paused step's work done: of its layers, or of its predicted time where the
+        seconds it ran say more (a cold step's first layers take longer than the rest, and the time
+        is what putting it back would lose)."""
+        layers = self.executor.fraction_done(paused.suspended)
+        predicted = self.scheduler.step_time.predict(paused.plan.num_tokens, len(paused.plan.scheduled))
+        return layers if not predicted else max(layers, min(1.0, paused.ran_seconds / predicted))
 
     def _record_step_time(self, plan: SchedulerOutput, started: float) -> None:
         """Tell the scheduler how long ``plan`` took from ``started``: what a request arriving now

@@ -389,3 +389,32 @@ def test_lpm_counts_a_paused_steps_time_as_the_work_it_would_lose(
     assert tokens == {name: model.greedy(prompt, 4) for name, prompt in prompts.items()}
     core.kv_manager.check_integrity()
     assert core.kv_manager.all_free_or_cached()
+
+
+def test_arrivals_during_a_first_token_pass_go_before_the_steps_second_pass(model) -> None:  # type: ignore[no-untyped-def]
+    """a and b decode; c's step runs its first token first. d, a short prompt, arrives during that
+    pass: the second pass (a's and b's decodes) would have paused for it at its first layer, so d's
+    pass runs before it, as it would then."""
+    core = tiny_llm(model, short_prefill_interrupt=8).engine
+    prompts = {
+        "a": [11 + i for i in range(9)],
+        "b": [40 + i for i in range(5)],
+        "c": [70 + i for i in range(13)],
+    }
+    prompts["d"] = [90 + i for i in range(6)]
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    step = stepper(core, tokens)
+    core.add_request(request("a", prompts["a"], 6))
+    core.add_request(request("b", prompts["b"], 6))
+    assert step() == ["a", "b"]
+    core.add_request(request("c", prompts["c"], 6))
+    assert step() == ["c"]  # the first pass
+    core.add_request(request("d", prompts["d"], 6))
+    assert step() == ["d"]  # d's pass
+    assert step() == ["a", "b"]  # then the second pass of c's step
+    assert core.num_split_steps == 1
+    while core.has_unfinished_requests():
+        step()
+    assert tokens == {name: model.greedy(prompt, 6) for name, prompt in prompts.items()}
+    core.kv_manager.check_integrity()
+    assert core.kv_manager.all_free_or_cached()

@@ -94,6 +94,7 @@ class EngineCore:
         self._timed_a_step = False
         # The rest of a step whose first pass ran the prompts it finishes (core/first_token_pass.py).
         self._second_pass: SchedulerOutput | None = None
+        self._arrival_passes_before_second = 0  # arrivals' passes run while it waited to start
         self.num_split_steps = 0  # steps run as a first-token pass and a second pass
         self.num_interrupted_steps = 0  # steps abandoned for a latency-critical arrival
         # A step paused between layers for arrivals' short prefills, and the aborts of its requests
@@ -180,6 +181,17 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if self._paused is not None:
             return self._step_while_paused(self._paused)
+        if (
+            self._second_pass is not None
+            and self._second_pass.pausable
+            and self._arrival_passes_before_second < MAX_ARRIVAL_PASSES_PER_PAUSE
+        ):
+            # Arrivals that landed during the first pass would have paused the second one at its
+            # first layer: their passes go first, as they would then.
+            arrivals = self._arrivals_pass()
+            if arrivals is not None:
+                self._arrival_passes_before_second += 1
+                return arrivals
         failed = self._fail_broken_grammars()
         forced_before = self.scheduler.num_forced_tokens_total
         started = time.perf_counter()
@@ -223,20 +235,14 @@ class EngineCore:
             self.scheduler.abort(aborted)
             return self.step()
         forced_before = self.scheduler.num_forced_tokens_total
-        started = time.perf_counter()
         if paused.arrival_passes < MAX_ARRIVAL_PASSES_PER_PAUSE:
-            beside = self.scheduler.schedule_beside()
+            arrivals = self._arrivals_pass()
             # None left: the step goes on now, and at its next pause the arrivals' passes begin anew.
             paused.arrival_passes = (
-                MAX_ARRIVAL_PASSES_PER_PAUSE if beside.is_empty else paused.arrival_passes + 1
+                MAX_ARRIVAL_PASSES_PER_PAUSE if arrivals is None else paused.arrival_passes + 1
             )
-            if not beside.is_empty:
-                beside.grammar_bitmask = self.structured.step_bitmask(
-                    beside.scheduled, self.scheduler.requests
-                )
-                outputs = self.scheduler.update(beside, self.executor.execute(beside))
-                self._record_step_time(beside, started)
-                return self._outputs(outputs, 0, forced_before)
+            if arrivals is not None:
+                return arrivals
         resumed = time.perf_counter()
         try:
             result = self.executor.resume(paused.suspended, paused.num_pauses < MAX_PAUSES_PER_STEP)
@@ -261,6 +267,19 @@ class EngineCore:
         predicted = self.scheduler.step_time.predict(paused.plan.num_tokens, len(paused.plan.scheduled))
         return layers if not predicted else max(layers, min(1.0, paused.ran_seconds / predicted))
 
+    def _arrivals_pass(self) -> EngineCoreOutputs | None:
+        """A pass of waiting requests with short prefills (``Scheduler.schedule_beside``) run ahead of
+        planned work that waits (a paused step, a step's second pass); None when none qualifies."""
+        forced_before = self.scheduler.num_forced_tokens_total
+        started = time.perf_counter()
+        beside = self.scheduler.schedule_beside()
+        if beside.is_empty:
+            return None
+        beside.grammar_bitmask = self.structured.step_bitmask(beside.scheduled, self.scheduler.requests)
+        outputs = self.scheduler.update(beside, self.executor.execute(beside))
+        self._record_step_time(beside, started)
+        return self._outputs(outputs, 0, forced_before)
+
     def _record_step_time(self, plan: SchedulerOutput, started: float) -> None:
         """Tell the scheduler how long ``plan`` took from ``started``: what a request arriving now
         waits for. The first step pays one-time costs (lazy initialization, cold caches) and is not
@@ -275,6 +294,7 @@ class EngineCore:
         plan finishes prompts beside other work and at most one request waits behind it."""
         if self._second_pass is not None:
             plan, self._second_pass = self._second_pass, None
+            self._arrival_passes_before_second = 0
             requests = self.scheduler.requests
             plan.scheduled = [
                 entry

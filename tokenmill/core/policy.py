@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 PrefixLengthFn = Callable[[Request], int]
 # How many tokens past a waiting request's cached prefix name what it would compute next (``lpm``).
 NEXT_TOKENS_COMPARED = 16
+# What a waiting request computes next: its cache salt, cached prefix length and next tokens (``lpm``).
+NextTokens = tuple[str | None, int, tuple[int, ...]]
 
 
 class WaitingPolicy:
@@ -45,8 +47,8 @@ class WaitingPolicy:
         raise NotImplementedError
 
     def outranks(self, started: list[Request], fraction_done: float) -> bool:
-        """Whether a waiting request should go before ``started`` (requests whose first step has run
-        ``fraction_done`` of its layers and is paused) although that step's work is then lost. Only
+        """Whether a waiting request should go before ``started`` (requests whose first step has done
+        ``fraction_done`` of its work and is paused) although that work is then lost. Only
         ``lpm`` reorders work already started (its ranking depends on who else waits, and a burst of
         related requests may arrive just after an unrelated one started); the others never do."""
         return False
@@ -129,24 +131,20 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
         requests = [*started, *fresh]
         cached, next_tokens = self._next_tokens(requests)
         sharing = Counter(next_tokens)
-        first = self._ranked(requests)[0]
-        if any(first is r for r in started):
+        first = self._order(cached, next_tokens, sharing)[0]
+        if first < len(started):
             return False
-        first_key = next_tokens[requests.index(first)]
-        started_keys = set(next_tokens[: len(started)])
-        w_first = sharing[first_key]
-        w_started = sum(sharing[k] for k in started_keys)
+        w_first = sharing[next_tokens[first]]
+        w_started = sum(sharing[k] for k in set(next_tokens[: len(started)]))
         n_rest = len(requests) - w_first - w_started
         work_started = sum(r.num_tokens - c for r, c in zip(started, cached))
-        work_first = first.num_tokens - cached[requests.index(first)]
+        work_first = requests[first].num_tokens - cached[first]
         f = fraction_done
         gain = w_first * (1 - f) * work_started
         loss = w_started * (work_first + f * work_started) + n_rest * f * work_started
         return gain > loss
 
-    def _next_tokens(
-        self, requests: list[Request]
-    ) -> tuple[list[int], list[tuple[str | None, int, tuple[int, ...]]]]:
+    def _next_tokens(self, requests: list[Request]) -> tuple[list[int], list[NextTokens]]:
         """Each request's cached prefix length and what it computes next (its cache salt, that length
         and the ``NEXT_TOKENS_COMPARED`` tokens past it): requests with equal keys share that work."""
         cached = [self._prefix_length(r) for r in requests]
@@ -160,9 +158,12 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
         """``requests`` by cached prefix (longest first), then by how many of them share their next
         tokens, then in the given order."""
         cached, next_tokens = self._next_tokens(requests)
-        sharing = Counter(next_tokens)
-        order = sorted(range(len(requests)), key=lambda i: (-cached[i], -sharing[next_tokens[i]], i))
-        return [requests[i] for i in order]
+        return [requests[i] for i in self._order(cached, next_tokens, Counter(next_tokens))]
+
+    @staticmethod
+    def _order(cached: list[int], next_tokens: list[NextTokens], sharing: Counter[NextTokens]) -> list[int]:
+        """Indices in ``_ranked``'s order."""
+        return sorted(range(len(cached)), key=lambda i: (-cached[i], -sharing[next_tokens[i]], i))
 
 
 POLICIES: tuple[str, ...] = ("fcfs", "lpm", "vtc")

@@ -366,9 +366,8 @@ class Scheduler:
         """Put a barely started step back when the waiting queue's policy now puts a waiting request
         before all of its requests, the work lost counted (only ``lpm`` does: a burst of requests
         sharing a new prefix arrived just after an unrelated prompt started; ``WaitingPolicy.outranks``);
-        True when it did. The step (paused between layers
-        after ``fraction_done`` of them, at most ``REPLAN_MAX_FRACTION_DONE``) must hold only the
-        first chunks of fresh prompts of one class, none of them put back before: its requests
+        True when it did. The step (paused between layers with ``fraction_done`` of its work done, by
+        layers or by time, at most ``REPLAN_MAX_FRACTION_DONE``) must hold only the first chunks of fresh prompts of one class, none of them put back before: its requests
         release their blocks (the layers it ran are recomputed later, the cached prefix they matched
         stays in the tree) and wait again at the front of their class, ranked with the rest; the
         caller drops the paused step. A request is put back at most once, so none waits for ever."""

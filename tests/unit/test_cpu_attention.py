@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -880,3 +882,15 @@ def test_per_sequence_attention_of_long_chunks_matches_the_padded_batch(
         monkeypatch.setattr(torch_ref, "PER_SEQUENCE_MIN_QUERIES", threshold)
         outputs.append(backend.forward(query, key, value, kv_cache.clone(), metadata))
     torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=ATOL[dtype], rtol=0)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torch's build waits while its lock file exists: one left by a process killed mid-build would
+    hang every later start. A stale lock goes; a fresh one (a build under way) stays."""
+    assert not cpu_kernels.remove_stale_build_lock(tmp_path)  # none there
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not cpu_kernels.remove_stale_build_lock(tmp_path) and lock.exists()
+    old = time.time() - cpu_kernels.STALE_BUILD_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert cpu_kernels.remove_stale_build_lock(tmp_path) and not lock.exists()

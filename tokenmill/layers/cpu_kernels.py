@@ -48,6 +48,10 @@ NAME = "tokenmill_paged_attention_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 MAX_HEAD_DIM = 256
+# torch's extension build holds a lock file in the build folder while it compiles, and a later build
+# waits for it to go: one left by a process killed mid-build would make every start wait for ever. A
+# build takes about a minute on 2 cores; a lock older than this is stale.
+STALE_BUILD_LOCK_SECONDS = 900.0
 
 
 def _cpu_flags() -> str:
@@ -72,6 +76,21 @@ def build_directory() -> Path:
     return Path(extension_cache_dir()) / f"paged_attention_cpu-{digest.hexdigest()[:16]}"
 
 
+def remove_stale_build_lock(folder: Path, max_age_s: float = STALE_BUILD_LOCK_SECONDS) -> bool:
+    """Remove ``folder``'s build lock when it is older than ``max_age_s`` (its build was killed); True
+    when it did. A younger lock belongs to a build under way and is left to it."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    logger.warning("removing a kernel build lock %.0f s old (a build that never finished): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def load_error() -> str | None:
     """Builds (first time) and loads the kernel; None when ``torch.ops.tokenmill`` has it, else why not.
@@ -83,6 +102,7 @@ def load_error() -> str | None:
 
         folder = build_directory()
         folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_build_lock(folder)
         built = (folder / f"{NAME}.so").exists()
         if not built:
             # A warning so that the one slow start (about 10 s) is explained even with logging unset.

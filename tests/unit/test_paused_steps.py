@@ -378,8 +378,8 @@ def test_arrivals_during_a_first_token_pass_go_before_the_steps_second_pass(mode
         "a": [11 + i for i in range(9)],
         "b": [40 + i for i in range(5)],
         "c": [70 + i for i in range(13)],
+        "d": [90 + i for i in range(6)],
     }
-    prompts["d"] = [90 + i for i in range(6)]
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
     step = stepper(core, tokens)
     core.add_request(request("a", prompts["a"], 6))

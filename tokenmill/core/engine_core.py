@@ -294,7 +294,6 @@ class EngineCore:
         plan finishes prompts beside other work and at most one request waits behind it."""
         if self._second_pass is not None:
             plan, self._second_pass = self._second_pass, None
-            self._arrival_passes_before_second = 0
             requests = self.scheduler.requests
             plan.scheduled = [
                 entry
@@ -307,6 +306,7 @@ class EngineCore:
             passes = split_first_tokens(plan, self.scheduler.num_waiting)
             if passes is not None:
                 plan, self._second_pass = passes
+                self._arrival_passes_before_second = 0
                 # The rest computes no first token of its own: it may pause where the whole plan may not.
                 self._second_pass.pausable = self.scheduler.may_pause(self._second_pass.scheduled)
                 self.num_split_steps += 1

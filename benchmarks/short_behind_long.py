@@ -6,7 +6,7 @@ words (500: about 2,900 tokens), then ``--delay`` seconds later a one-line quest
 token. Printed per server: the short request's mean and max TTFT and the long one's mean TTFT.
 
 Servers, one at a time: tokenmill as served (on a CPU the short request pauses the long prefill
-between layers and runs first, ``core/interrupt.py``), tokenmill with ``--short-prefill-interrupt 0``
+between layers and runs first, ``step_control.py``), tokenmill with ``--short-prefill-interrupt 0``
 (it waits for the prefill), and llama-server on the bundled model when found ($LLAMA_CPP_BIN or
 ``--llama-server``; two slots, its default batch sizes, BF16 weights by default as in
 ``shared_prefix.py``; only with the default ``--model``, the model its GGUF holds).

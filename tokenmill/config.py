@@ -183,7 +183,7 @@ class SchedulerConfig:
     ``short_prefill_interrupt`` (0: off, the Python API's default): a request whose prompt needs at
     most this many tokens computed beyond the prefix cache (as the server estimates it,
     ``frontend/step_cuts.py``) pauses the step in flight between layers and runs in a pass of its
-    own before the step goes on (``core/interrupt.py``), so a follow-up turn or an agent's next call
+    own before the step goes on (``step_control.py``), so a follow-up turn or an agent's next call
     waits neither for a decode pass nor for another's long prefill (the CLI's default: 256 tokens on
     CPUs, where a pass takes tens to hundreds of milliseconds; 0 on accelerators).
     """
@@ -209,7 +209,7 @@ class SchedulerConfig:
         return {tier.name for tier in self.tiers if tier.ttft_slo is not None}
 
     def cuts_steps(self) -> bool:
-        """Whether some arrivals may cut a step in flight short (``core/interrupt.py``)."""
+        """Whether some arrivals may cut a step in flight short (``step_control.py``)."""
         return bool(self.ttft_target_tiers()) or self.short_prefill_interrupt > 0
 
     def validate(self) -> None:

@@ -14,7 +14,7 @@ from test_scheduler import Harness, ids, prompt_of, reference
 
 from tokenmill.config import SchedulerConfig, build_engine_config
 from tokenmill.core.admission import ttft_admission_cap
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.step_io import SchedulerOutput
 from tokenmill.core.step_time import StepTimeModel
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.step_io import SchedulerOutput
 
 NUM_NEW = 12
 

@@ -9,7 +9,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.first_token_pass import split_first_tokens
-from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.core.step_io import ScheduledRequest, SchedulerOutput
 from tokenmill.protocol import EngineCoreRequest
 
 

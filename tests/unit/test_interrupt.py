@@ -1,4 +1,4 @@
-"""Step interrupts (``core/interrupt.py``): a TTFT tier's arrival abandons the step in flight.
+"""Step interrupts (``step_control.py``): a TTFT tier's arrival abandons the step in flight.
 
 Scheduler-level with the fake model of ``test_scheduler`` (which plans may be cut, and that an
 abandoned plan changes nothing), then through the real engine on tiny models, fused decode stack and
@@ -17,8 +17,8 @@ from test_tiers import TierHarness, ids
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import TierConfig
 from tokenmill.core.engine_core import MAX_PAUSES_PER_STEP
-from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
 from tokenmill.layers import fused_cpu
+from tokenmill.step_control import InterruptFlag, StepInterrupted
 from tokenmill.worker.forward_batch import LayerProgress
 
 

@@ -1,4 +1,4 @@
-"""Steps paused between layers for arrivals with short prefills (``core/interrupt.py``).
+"""Steps paused between layers for arrivals with short prefills (``step_control.py``).
 
 Scheduler-level with the fake model of ``test_scheduler``: which plans may pause, and what the
 arrivals' pass (``Scheduler.schedule_beside``) admits while one is paused. Then through the engine
@@ -17,8 +17,8 @@ from test_tiers import TierHarness, ids
 from tests.conftest import TinyModel, save_tiny_model
 from tests.models.test_gemma3 import GEMMA3
 from tokenmill.config import TierConfig
-from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.core.request import RequestStatus
+from tokenmill.step_control import InterruptFlag
 
 
 def test_steps_may_pause_unless_they_finish_a_short_prefill_and_the_arrivals_pass_admits_short_ones() -> None:

@@ -8,7 +8,8 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_io import ModelRunnerOutput
 from tokenmill.protocol import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol import EngineCoreOutput, EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 

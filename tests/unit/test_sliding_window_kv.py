@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tests.unit.test_scheduler import FakeRunner, Harness, next_token
 from tokenmill.core.kv.manager import RELEASED_BLOCK, KVCacheManager, cdiv
-from tokenmill.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
 
 WINDOW = 6
 BLOCK = 4

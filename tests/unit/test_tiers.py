@@ -18,7 +18,8 @@ from test_scheduler import MAX_MODEL_LEN, FakeRunner, make_request, prompt_of, r
 from tokenmill.config import EngineConfig, SchedulerConfig, TierConfig, build_engine_config
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_io import SchedulerOutput
 from tokenmill.engine_args import (
     add_engine_args,
     engine_kwargs,

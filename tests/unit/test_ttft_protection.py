@@ -17,7 +17,7 @@ from test_tiers import TierHarness, ids
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig, TierConfig, build_engine_config
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.step_io import SchedulerOutput
 from tokenmill.core.step_time import StepTimeModel
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 

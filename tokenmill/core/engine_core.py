@@ -12,14 +12,15 @@ from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
-from tokenmill.core.interrupt import InterruptFlag, StepInterrupted, StepPaused
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_io import SchedulerOutput
 from tokenmill.executor.inprocess import InProcessExecutor
 from tokenmill.loader import ModelSource
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step_control import InterruptFlag, StepInterrupted, StepPaused
 from tokenmill.structured.backend import GrammarBackend
 from tokenmill.structured.manager import StructuredOutputManager
 
@@ -98,7 +99,7 @@ class EngineCore:
         self.num_split_steps = 0  # steps run as a first-token pass and a second pass
         self.num_interrupted_steps = 0  # steps abandoned for a latency-critical arrival
         # A step paused between layers for arrivals' short prefills, and the aborts of its requests
-        # that wait for it to end (core/interrupt.py).
+        # that wait for it to end (step_control.py).
         self._paused: PausedStep | None = None
         self._aborted_while_paused: list[str] = []
         self.num_paused_steps = 0  # pauses, counting each of a step that paused more than once
@@ -204,13 +205,13 @@ class EngineCore:
             result = self.executor.execute(plan)
         except StepInterrupted:
             # Abandoned between layers for a latency-critical arrival: nothing of it counts, and it
-            # is planned again after that request's step (core/interrupt.py).
+            # is planned again after that request's step (step_control.py).
             self.scheduler.step_interrupted(plan)
             self.num_interrupted_steps += 1
             return self._outputs(failed, plan.num_preempted, forced_before)
         except StepPaused as paused:
             # Paused between layers for arrivals with short prefills: their pass runs next, then
-            # this one goes on (core/interrupt.py).
+            # this one goes on (step_control.py).
             self._paused = PausedStep(plan, paused.suspended, time.perf_counter() - started)
             self.num_paused_steps += 1
             return self._outputs(failed, plan.num_preempted, forced_before)
@@ -319,7 +320,7 @@ class EngineCore:
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """Let steps the scheduler marks interruptible be abandoned when ``flag`` is raised
-        (``core/interrupt.py``)."""
+        (``step_control.py``)."""
         self.executor.set_interrupt(flag)
 
     def _outputs(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.core.step_io import ScheduledRequest, SchedulerOutput
 
 # Most requests that may wait behind a step that runs in two passes (see the module docstring).
 MAX_WAITING_TO_SPLIT = 1

@@ -25,8 +25,6 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.admission import ttft_admission_cap
@@ -34,13 +32,10 @@ from tokenmill.core.fairness import VirtualTokenCounters
 from tokenmill.core.kv.manager import KVCacheManager, cdiv
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.step_time import StepTimeModel
 from tokenmill.core.tiers import ClassKey, StepBudget, TieredQueue, TierTable
-from tokenmill.protocol import EngineCoreOutput, FinishReason, PositionLogprobs
-from tokenmill.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenmill.structured.manager import GrammarBitmask
+from tokenmill.protocol import EngineCoreOutput, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -51,75 +46,6 @@ FIRST_TOKEN_STEPS_KEPT = 16
 REPLAN_MAX_FRACTION_DONE = 0.25
 # How many waiting requests (the oldest) the ``ttft`` admission averages the prompt work of.
 ADMISSION_SAMPLE = 32
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: which tokens to compute and whether to sample after them.
-
-    ``token_ids`` are the tokens at positions ``start_position .. start_position + len - 1``;
-    ``block_table`` covers all of them. ``sample`` is set when this step reaches the end of the
-    sequence, so the last position's logits pick the next token. ``prompt_logprobs_range`` is the
-    half-open range of prompt positions whose next-token logprobs to compute this step.
-    ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
-    that many draws, so its random stream is the one it would have had sampling them.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int
-    block_table: list[int]
-    sample: bool
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    forbidden_token_ids: list[int]
-    prompt_logprobs_range: tuple[int, int] | None
-    seed: int | None
-    skipped_draws: int = 0
-
-    @property
-    def end_position(self) -> int:
-        """The request's computed tokens once this step has run."""
-        return self.start_position + len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """A step's plan. ``finished_request_ids`` lists requests that ended since the last plan, so
-    executors can drop per-request state (seeded generators). ``grammar_bitmask`` holds the allowed
-    tokens of the constrained sampling rows (filled in by the engine core), or None."""
-
-    scheduled: list[ScheduledRequest]
-    finished_request_ids: list[str] = field(default_factory=list)
-    num_preempted: int = 0
-    grammar_bitmask: GrammarBitmask | None = None
-    # The step serves only a tier awaiting a first token within its TTFT target (and better ones).
-    first_token_exclusive: bool = False
-    # The model may abandon this step between layers for a latency-critical arrival (core/interrupt.py).
-    interruptible: bool = False
-    # The model may pause this step between layers for an arrival's short prefill, and go on after it.
-    pausable: bool = False
-    # Requests whose blocks computed in this step other requests of it attend to (same-step prefix
-    # sharing): the step's keys and values must be written before those requests attend.
-    shared_sources: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the executor computed: a token per sampling request, and the logprobs asked for."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -306,7 +232,7 @@ class Scheduler:
 
     def schedule_beside(self) -> SchedulerOutput:
         """A pass of its own for the waiting requests with a short prefill, while a planned step the
-        model paused between layers waits to go on (``core/interrupt.py``).
+        model paused between layers waits to go on (``step_control.py``).
 
         Admits, in class and policy order, each waiting request whose prompt needs at most
         ``short_prefill_interrupt`` tokens beyond the prefix cache, computing all of them, within
@@ -397,7 +323,7 @@ class Scheduler:
         return True
 
     def step_interrupted(self, plan: SchedulerOutput) -> None:
-        """``plan`` was abandoned between layers (``core/interrupt.py``): nothing of it was computed, so
+        """``plan`` was abandoned between layers (``step_control.py``): nothing of it was computed, so
         nothing changes but that the next step may not be cut (worse tiers always make progress).
         Its requests keep their reserved blocks and are planned again."""
         self._last_step_interrupted = True
@@ -447,7 +373,7 @@ class Scheduler:
         return min(ranks, default=None)
 
     def _may_be_cut(self, plan: list[ScheduledRequest]) -> bool:
-        """Whether ``plan`` may be abandoned between layers for an arrival (``core/interrupt.py``).
+        """Whether ``plan`` may be abandoned between layers for an arrival (``step_control.py``).
 
         Never two steps in a row (the running requests always make progress), nor a step where a
         request shares blocks the step computes (it cannot be redone without them). For a tier with a

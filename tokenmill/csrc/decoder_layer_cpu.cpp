@@ -42,7 +42,7 @@
 //   decode_rows  with chunk_spans: [D] int64, the step's other rows, each a decode attending through
 //                paged_attention_decode with block_tables[d] and seq_lens[d]
 //   final_norm   [hidden] in hidden's dtype
-//   interrupt    None or [1] uint8 in memory another process may write (core/interrupt.py): read
+//   interrupt    None or [1] uint8 in memory another process may write (step_control.py): read
 //                before each layer (but the first of a resumed call); once nonzero the call stops there
 //   start_layer  with residual, a resumed call: the layer to go on from, hidden and residual being what a
 //   residual     stopped call returned (the input of that layer and the residual stream, [0] before the

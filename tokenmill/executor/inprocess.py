@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interrupt import InterruptFlag
-from tokenmill.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.loader import ModelSource
+from tokenmill.step_control import InterruptFlag
 from tokenmill.worker.model_runner import ModelRunner, SuspendedStep
 
 

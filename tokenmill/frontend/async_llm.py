@@ -31,7 +31,6 @@ import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.step_cuts import PrefixEstimate, StepCuts
@@ -59,6 +58,7 @@ from tokenmill.server.engine_process import (
     spawn_engine_process,
     stop_engine_process,
 )
+from tokenmill.step_control import InterruptFlag
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("tokenmill.requests")
@@ -176,7 +176,7 @@ class AsyncLLM:
         self._handle = handle
         self._sync_context, self._input, self._async_context, self._output = sockets
         # Raised after sending a request of a tier with a TTFT target, or one whose prompt needs a short
-        # prefill: the engine may cut the step in flight short for it (core/interrupt.py). None when
+        # prefill: the engine may cut the step in flight short for it (step_control.py). None when
         # the engine made no flag.
         self._interrupt = InterruptFlag.attach(handle.socket_dir)
         short_prefill = config.scheduler.short_prefill_interrupt

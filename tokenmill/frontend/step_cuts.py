@@ -1,6 +1,6 @@
 """Which arrivals may stop the engine's step in flight, and the prefix-cache guess that decides it.
 
-``StepCuts`` is the server's side of step interrupts (``core/interrupt.py``): a request of a tier with
+``StepCuts`` is the server's side of step interrupts (``step_control.py``): a request of a tier with
 a TTFT target (the step may be cut short), or one whose prompt needs at most
 ``short_prefill_interrupt`` tokens computed beyond the prefix cache (a follow-up chat turn, an
 agent's next call; the step may pause for it), raises the interrupt flag once sent.

@@ -19,8 +19,8 @@ import logging
 import torch
 
 from tokenmill.config import fused_cpu_ops_enabled
-from tokenmill.core.interrupt import StepInterrupted
 from tokenmill.layers.cpu_kernels import load_error
+from tokenmill.step_control import StepInterrupted
 from tokenmill.worker.forward_batch import DecodesAndChunks, LayerProgress
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def llama_decode_stack(
     eps: float,
     scale: float,
     window: int | None,
-    interrupt: torch.Tensor | None = None,  # [1] uint8 (core/interrupt.py), polled between layers
+    interrupt: torch.Tensor | None = None,  # [1] uint8 (step_control.py), polled between layers
     chunks: DecodesAndChunks | None = None,
     resume_from: LayerProgress | None = None,
 ) -> torch.Tensor:

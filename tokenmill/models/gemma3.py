@@ -232,7 +232,7 @@ class Gemma3ForCausalLM(nn.Module):
             embedded = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
             hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
             start = 0
-        else:  # a paused pass goes on (core/interrupt.py); the stream is the hidden state itself
+        else:  # a paused pass goes on (step_control.py); the stream is the hidden state itself
             hidden, start = progress.hidden, progress.next_layer
         for index in range(start, len(self.layers)):
             # A latency-critical arrival may stop the step here.

@@ -358,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
             residual: torch.Tensor | None = None
             start = 0
-        else:  # a paused pass goes on (core/interrupt.py)
+        else:  # a paused pass goes on (step_control.py)
             hidden, residual, start = progress.hidden, progress.residual, progress.next_layer
         fused = self._forward_fused_decodes(batch, hidden)
         if fused is not None:

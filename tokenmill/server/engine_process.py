@@ -35,7 +35,6 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interrupt import InterruptFlag
 from tokenmill.protocol import (
     AbortRequests,
     AddRequests,
@@ -51,6 +50,7 @@ from tokenmill.protocol import (
     UtilityCall,
     UtilityResult,
 )
+from tokenmill.step_control import InterruptFlag
 
 if TYPE_CHECKING:
     from tokenmill.core.engine_core import EngineCore
@@ -341,7 +341,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         interrupt = None
         if config.scheduler.cuts_steps():
             # A request of a tier with a TTFT target, or one with a short prefill, may cut a step short
-            # (core/interrupt.py).
+            # (step_control.py).
             interrupt = InterruptFlag.create(socket_dir)
             core.set_interrupt(interrupt)
         output_socket.send(encoder.encode(ready))

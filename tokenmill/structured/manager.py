@@ -17,17 +17,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.core.step_io import GrammarBitmask
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.backend import GrammarBackend, GrammarMatcher, constraint_key
 
 if TYPE_CHECKING:
     from tokenmill.core.request import Request
-    from tokenmill.core.scheduler import ScheduledRequest
+    from tokenmill.core.step_io import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +49,6 @@ def check_combination(params: Any) -> None:
         raise ValueError(
             "min_tokens cannot be combined with structured outputs: it could forbid the EOS the grammar requires"
         )
-
-
-@dataclass
-class GrammarBitmask:
-    """One step's allowed-token bitmasks for the constrained sampling rows.
-
-    ``rows[request_id]`` is the row of ``bitmask`` (``[num_constrained, ceil(vocab / 32)]`` int32)
-    for that request; requests without a grammar are absent and their logits are left alone.
-    """
-
-    rows: dict[str, int]
-    bitmask: torch.Tensor
 
 
 class GrammarState:

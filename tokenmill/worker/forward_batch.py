@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.core.interrupt import InterruptFlag, StepInterrupted
+from tokenmill.step_control import InterruptFlag, StepInterrupted
 
 
 @dataclass
@@ -189,7 +189,7 @@ class ForwardBatch:
     kv_caches: list[torch.Tensor]
     logits_rows: torch.Tensor  # [num_logit_rows] int64
     attn_by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict)
-    # When this step may be stopped between layers (core/interrupt.py): the flag, and the same
+    # When this step may be stopped between layers (step_control.py): the flag, and the same
     # byte as a [1] uint8 tensor for C++ kernels to poll.
     interrupt: InterruptFlag | None = None
     interrupt_tensor: torch.Tensor | None = None

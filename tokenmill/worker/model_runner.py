@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interrupt import InterruptFlag, StepInterrupted, StepPaused
-from tokenmill.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.step_io import GrammarBitmask, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention.cpu_paged import kernels_read
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
@@ -27,7 +26,7 @@ from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_random, make_generator
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
-from tokenmill.structured.manager import GrammarBitmask
+from tokenmill.step_control import InterruptFlag, StepInterrupted, StepPaused
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch, LayerProgress
 from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
@@ -368,7 +367,7 @@ class ModelRunner:
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """Let steps the scheduler marks ``interruptible`` be abandoned between layers when ``flag`` is
-        raised (``core/interrupt.py``); the model raises ``StepInterrupted`` out of ``execute``."""
+        raised (``step_control.py``); the model raises ``StepInterrupted`` out of ``execute``."""
         self.interrupt = flag
         self.interrupt_tensor = None if flag is None else torch.frombuffer(flag.buffer, dtype=torch.uint8)
 

@@ -1,4 +1,4 @@
-"""Step interrupts: a latency-critical arrival stops the step in flight between layers.
+"""Step control: whether a step in flight stops between layers, and the shared flag that asks it to.
 
 A request that arrives during a step otherwise waits for that step to end, then for its own prefill.
 Two kinds of arrival do not wait (the server decides, ``frontend/step_cuts.py``): a request of a

@@ -1,0 +1,97 @@
+"""The plan and result types that cross the executor boundary: a leaf module of the core.
+
+The scheduler produces a ``SchedulerOutput`` per step; an executor runs it and hands back a
+``ModelRunnerOutput``. Workers, layers, models and samplers import these types and nothing else of
+``tokenmill.core``: this module imports nothing of the core (or of any other tokenmill package but
+``sampling_params`` and ``protocol``, which are leaves too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.protocol import PositionLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's allowed-token bitmasks for the constrained sampling rows.
+
+    ``rows[request_id]`` is the row of ``bitmask`` (``[num_constrained, ceil(vocab / 32)]`` int32)
+    for that request; requests without a grammar are absent and their logits are left alone.
+    """
+
+    rows: dict[str, int]
+    bitmask: torch.Tensor
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: which tokens to compute and whether to sample after them.
+
+    ``token_ids`` are the tokens at positions ``start_position .. start_position + len - 1``;
+    ``block_table`` covers all of them. ``sample`` is set when this step reaches the end of the
+    sequence, so the last position's logits pick the next token. ``prompt_logprobs_range`` is the
+    half-open range of prompt positions whose next-token logprobs to compute this step.
+    ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
+    that many draws, so its random stream is the one it would have had sampling them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    forbidden_token_ids: list[int]
+    prompt_logprobs_range: tuple[int, int] | None
+    seed: int | None
+    skipped_draws: int = 0
+
+    @property
+    def end_position(self) -> int:
+        """The request's computed tokens once this step has run."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan. ``finished_request_ids`` lists requests that ended since the last plan, so
+    executors can drop per-request state (seeded generators). ``grammar_bitmask`` holds the allowed
+    tokens of the constrained sampling rows (filled in by the engine core), or None."""
+
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+    grammar_bitmask: GrammarBitmask | None = None
+    # The step serves only a tier awaiting a first token within its TTFT target (and better ones).
+    first_token_exclusive: bool = False
+    # The model may abandon this step between layers for a latency-critical arrival (step_control.py).
+    interruptible: bool = False
+    # The model may pause this step between layers for an arrival's short prefill, and go on after it.
+    pausable: bool = False
+    # Requests whose blocks computed in this step other requests of it attend to (same-step prefix
+    # sharing): the step's keys and values must be written before those requests attend.
+    shared_sources: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the executor computed: a token per sampling request, and the logprobs asked for."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)

@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.core.admission import ADMISSIONS
+# How a step sizes its admissions (``SchedulerConfig.admission``; the rules are in
+# ``core/admission.py``). The names live here so that the config needs nothing of the core.
+ADMISSIONS: tuple[str, ...] = ("fill", "ttft")
 
 
 def env_int(name: str, default: int) -> int:

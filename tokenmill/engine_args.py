@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from tokenmill.config import (
+    ADMISSIONS,
     DTYPE_CHOICES,
     MODEL_IMPLS,
     CacheConfig,
@@ -17,7 +18,6 @@ from tokenmill.config import (
     TierConfig,
     standard_tiers,
 )
-from tokenmill.core.admission import ADMISSIONS
 from tokenmill.core.policy import POLICIES
 
 

@@ -19,8 +19,6 @@ import math
 
 from tokenmill.core.step_time import StepTimeModel
 
-ADMISSIONS: tuple[str, ...] = ("fill", "ttft")
-
 
 def ttft_admission_cap(
     model: StepTimeModel,

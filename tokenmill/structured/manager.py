@@ -14,19 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Set
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tokenmill.core.step_io import GrammarBitmask
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.backend import GrammarBackend, GrammarMatcher, constraint_key
 
 if TYPE_CHECKING:
-    from tokenmill.core.request import Request
     from tokenmill.core.step_io import ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -49,6 +48,26 @@ def check_combination(params: Any) -> None:
         raise ValueError(
             "min_tokens cannot be combined with structured outputs: it could forbid the EOS the grammar requires"
         )
+
+
+class GrammarRequest(Protocol):
+    """What the grammar code reads of a request (``core/request.py``'s ``Request`` is one).
+
+    A protocol rather than an import: the core imports this package, so this package imports
+    nothing of the core but its plan types (``core/step_io.py``).
+    """
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def eos_token_ids(self) -> Set[int]: ...
+
+    @property
+    def grammar(self) -> GrammarState | None: ...
 
 
 class GrammarState:
@@ -162,7 +181,7 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
         return future
 
-    def new_state(self, request: Request) -> GrammarState:
+    def new_state(self, request: GrammarRequest) -> GrammarState:
         """Start (or reuse) the compilation of ``request``'s constraint; its state for the scheduler."""
         params = request.sampling_params
         assert params.structured_outputs is not None
@@ -201,7 +220,7 @@ class StructuredOutputManager:
         return failures
 
     def step_bitmask(
-        self, scheduled: Iterable[ScheduledRequest], requests: dict[str, Request]
+        self, scheduled: Iterable[ScheduledRequest], requests: Mapping[str, GrammarRequest]
     ) -> GrammarBitmask | None:
         """The bitmask rows of this step's constrained sampling rows, or None when there are none."""
         rows: dict[str, int] = {}

@@ -10,14 +10,24 @@ tokens after ``j·(o + k·p)`` seconds, so the mean wait is about ``(o + k·p)·
 at ``k = sqrt(o·n/p)``: few admissions per step when prefills are dear next to what the running
 requests cost anyway, more when many cheap ones wait. Requests that all arrive together (and
 finish together) are thereby spread over steps, which also keeps the next burst smaller.
-Pure arithmetic on ints and floats, no torch.
+``step_admission_cap`` and ``arrival_pass_cap`` gather those quantities for a planned step and for
+an arrivals' pass beside a paused step. Pure arithmetic on ints and floats, no torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
+from collections.abc import Iterable
 
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv.manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.step_time import StepTimeModel
+
+# How many waiting requests (the oldest) the ``ttft`` admission averages the prompt work of.
+ADMISSION_SAMPLE = 32
 
 
 def ttft_admission_cap(
@@ -44,3 +54,46 @@ def ttft_admission_cap(
         return None  # admissions look free: nothing to trade
     best = round(math.sqrt(overhead * num_waiting / per_request))
     return max(1, min(num_waiting, best))
+
+
+def step_admission_cap(
+    config: SchedulerConfig,
+    step_time: StepTimeModel,
+    kv: KVCacheManager,
+    requests: Iterable[Request],
+    running: list[Request],
+    num_waiting: int,
+) -> int | None:
+    """How many waiting requests the step being planned may admit: None (as many as the budget
+    holds) under ``admission="fill"``, else what keeps their mean time to first token least, from
+    what the ``running`` requests bring to the step and the prompt work of the oldest
+    ``ADMISSION_SAMPLE`` of the not-running ``requests`` beyond their cached prefixes."""
+    if config.admission != "ttft" or num_waiting == 0:
+        return None
+    running_tokens = sum(r.num_tokens - r.num_computed_tokens for r in running)
+    waiting = (r for r in requests if r.status != RequestStatus.RUNNING)
+    sample = list(itertools.islice(waiting, ADMISSION_SAMPLE))
+    mean_new_tokens = statistics.fmean(r.num_tokens - kv.peek_prefix_tokens(r) for r in sample)
+    return ttft_admission_cap(
+        step_time,
+        min(running_tokens, config.max_num_batched_tokens),
+        len(running),
+        num_waiting,
+        mean_new_tokens,
+    )
+
+
+def arrival_pass_cap(
+    config: SchedulerConfig, step_time: StepTimeModel, kv: KVCacheManager, requests: Iterable[Request]
+) -> int | None:
+    """How many short arrivals an arrivals' pass admits (``Scheduler.schedule_beside``): None (all it
+    may) unless ``admission="ttft"``, else ``ttft_admission_cap`` over the not-running ``requests``
+    whose prompts are short beyond their cached prefixes, with nothing running in the pass."""
+    if config.admission != "ttft":
+        return None
+    limit = config.short_prefill_interrupt
+    waiting = (r for r in requests if r.status != RequestStatus.RUNNING)
+    short = [n for n in (r.num_tokens - kv.peek_prefix_tokens(r) for r in waiting) if n <= limit]
+    if not short:
+        return None
+    return ttft_admission_cap(step_time, 0, 0, len(short), statistics.fmean(short))

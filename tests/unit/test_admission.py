@@ -1,4 +1,4 @@
-"""How many waiting requests a step admits (``core/admission.py``, ``Scheduler._admission_cap``).
+"""How many waiting requests a step admits (``core/admission.py``, ``step_admission_cap``).
 
 Deterministic: the harness's fake machine (4 ms a step, 1 ms a token, 2 ms a sequence) teaches the
 scheduler's step-time model, and the ``FakeRunner`` model proves every output right.

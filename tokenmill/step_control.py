@@ -7,8 +7,10 @@ tier with a TTFT target (``core/tiers.py`` also keeps worse tiers' steps short f
 prefix cache (a follow-up turn, an agent's next call: on a CPU its prefill costs about what a decode
 pass does, and a fraction of another request's long prefill, so waiting for the pass in flight would
 double its time to first token or worse). The server raises a one-byte flag in shared memory right
-after sending such a request; the model checks it between decoder layers and stops
-(``StepInterrupted``, with how far it got). What happens to the stopped step depends on its plan:
+after sending such a request; between decoder layers the model asks the step's ``StepControl``
+whether to stop, and when it says so the forward returns a ``LayerProgress`` (how far it got) instead
+of hidden states. The model runner turns that into ``StepPaused`` or ``StepInterrupted`` for the
+engine. What happens to the stopped step depends on its plan:
 
 - **Paused** (plans the scheduler marks ``pausable``, for short prefills: any step but one that
   finishes a short prefill itself or computes a first token a TTFT target protects,
@@ -40,14 +42,64 @@ from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tensors only in annotations: the core imports this module and never torch
+    import torch
 
 FLAG_FILE = "interrupt"
 
 
+@dataclass
+class LayerProgress:
+    """How far a forward pass that its ``StepControl`` stopped got: ``next_layer`` is the first layer
+    not run, ``hidden`` its input ``[num_tokens, hidden_size]`` and ``residual`` the residual stream
+    (None before the first layer, and for a model whose stream is ``hidden`` itself: Gemma 3). The
+    keys and values of the layers before it are in the cache."""
+
+    next_layer: int
+    hidden: torch.Tensor  # [num_tokens, hidden_size]
+    residual: torch.Tensor | None  # [num_tokens, hidden_size]
+
+
+class StepControl:
+    """The one object a forward pass asks, between layers, whether to stop the step now.
+
+    ``flag`` (None: the step is never stopped) is the shared interrupt flag; ``flag_tensor`` the same
+    byte as a ``[1]`` uint8 tensor for C++ loops that poll it themselves (the fused CPU decode stack),
+    None when there is no flag. A pass that stopped before a layer and goes on from there runs that
+    layer before it may stop again, so every pass makes progress: ``should_stop`` and ``stopped_at``
+    remember where the last stop was. Layers never raise to stop a step; they return a
+    ``LayerProgress``.
+    """
+
+    def __init__(self, flag: InterruptFlag | None = None, flag_tensor: torch.Tensor | None = None) -> None:
+        self.flag = flag
+        self.flag_tensor = flag_tensor if flag is not None else None
+        self._stopped_before: int | None = None
+
+    def should_stop(self, next_layer: int) -> bool:
+        """Whether the pass stops before ``next_layer`` (then return ``LayerProgress`` there): the flag
+        is raised and this is not the layer the pass last stopped before (it resumes with that one)."""
+        if self.flag is None or next_layer == self._stopped_before or not self.flag.is_raised():
+            return False
+        self._stopped_before = next_layer
+        return True
+
+    def stopped_at(self, next_layer: int) -> None:
+        """Record a stop made without ``should_stop`` (a C++ loop polling ``flag_tensor``)."""
+        self._stopped_before = next_layer
+
+
+# Steps that may not be stopped share this one (it never stops, so it never records a stop).
+NEVER_STOP = StepControl()
+
+
 class StepInterrupted(Exception):
-    """The model stopped the step before a layer because the interrupt flag was raised. ``progress``
-    is where (the worker's ``LayerProgress``: the layer to run next and its inputs), which a paused
-    step resumes from; an abandoned step drops it."""
+    """The step was stopped before a layer because the interrupt flag was raised (the model runner
+    raises it when the forward returned a ``LayerProgress``). ``progress`` is that ``LayerProgress``;
+    an abandoned step drops it."""
 
     def __init__(self, message: str, progress: object = None) -> None:
         super().__init__(message)

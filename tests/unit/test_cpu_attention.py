@@ -1,7 +1,8 @@
 """The CPU paged-attention backend (C++ decode kernel) against the torch reference backend.
 
 Caches are random, block tables are scattered over the pool, and the attention metadata comes from
-the model runner's own ``_build_group``, so what is tested is what the engine feeds the kernel.
+the backends' own ``build_metadata`` (what the model runner calls each step), so what is tested is
+what the engine feeds the kernel.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,11 +21,11 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import build_engine_config
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.layers import attention, cpu_kernels
-from tokenmill.layers.attention import cpu_paged, select_attention_backend, torch_ref
-from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
-from tokenmill.layers.attention.torch_ref import TorchPagedAttention
-from tokenmill.worker.forward_batch import AttentionMetadata
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.layers.attention import cpu_paged, select_backend, torch_ref
+from tokenmill.layers.attention.backend import SequenceStep
+from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
 
 # Around block boundaries (16), a single token, and one long sequence. With the tests' one thread, the
 # kernel gives 7 sequences a task each, and splits 2 sequences into one task per KV head.
@@ -75,19 +75,16 @@ def build_step(
     num_blocks = sum(blocks_needed) + 7
     pool = list(range(num_blocks))
     rng.shuffle(pool)
-    entries, offsets, slots = [], [], []
+    sequences: list[SequenceStep] = []
+    slots: list[int] = []
     for (start, n), needed in zip(spans, blocks_needed):
         table = [pool.pop() for _ in range(needed)]
-        offsets.append(sum(len(e.token_ids) for e in entries))
-        entries.append(SimpleNamespace(token_ids=[0] * n, start_position=start, block_table=table))
+        sequences.append(SequenceStep(len(slots), start, n, table))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
-    decode = [i for i, (_, n) in enumerate(spans) if n == 1]
-    prefill = [i for i, (_, n) in enumerate(spans) if n > 1]
-    groups = [
-        ModelRunner._build_group(runner, entries, offsets, idx, window) for idx in (decode, prefill) if idx
-    ]  # type: ignore[arg-type]
-    metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
+    # Both backends build the same metadata (the CPU one inherits the reference's).
+    built = CpuPagedBackend.build_metadata(sequences, torch.tensor(slots), block_size, [window])
+    assert built.keys() == {window}
+    metadata = built[window]
 
     num_tokens = len(slots)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -123,10 +120,10 @@ def run_both(
     )
     scale = head_dim**-0.5
     ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
-    expected = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale).forward(
+    expected = TorchReferenceBackend(num_heads, num_kv_heads, head_dim, scale).forward(
         query, key, value, ref_cache, metadata
     )
-    actual = CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale).forward(
+    actual = CpuPagedBackend(num_heads, num_kv_heads, head_dim, scale).forward(
         query, key, value, cpu_cache, metadata
     )
     return expected, actual, ref_cache, cpu_cache
@@ -197,8 +194,8 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_decodes(
         split_decodes=split_decodes,
     )
     ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
-    expected = TorchPagedAttention(6, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
-    actual = CpuPagedAttention(6, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
+    expected = TorchReferenceBackend(6, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
+    actual = CpuPagedBackend(6, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
     prefill_kernel = dtype == torch.bfloat16 and window is None and cpu_kernels.prefill_kernel_available()
     assert (metadata._rows_as_decodes is None) == prefill_kernel  # else the one-call path ran
     assert torch.equal(ref_cache, cpu_cache)
@@ -213,8 +210,8 @@ def test_a_longer_chunk_or_float32_does_not_attend_as_decodes() -> None:
             [9], ((0, chunk),), num_heads=2, num_kv_heads=2, head_dim=64, dtype=dtype
         )
         ref_cache, cpu_cache = kv_cache.clone(), kv_cache.clone()
-        expected = TorchPagedAttention(2, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
-        actual = CpuPagedAttention(2, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
+        expected = TorchReferenceBackend(2, 2, 64, 0.125).forward(query, key, value, ref_cache, metadata)
+        actual = CpuPagedBackend(2, 2, 64, 0.125).forward(query, key, value, cpu_cache, metadata)
         assert metadata._rows_as_decodes is None
         torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
@@ -247,7 +244,7 @@ def test_window_covers_only_the_last_positions() -> None:
     query, key, value, kv_cache, metadata = build_step(
         [50], (), num_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, window=10
     )
-    backend = CpuPagedAttention(2, 1, 16, 0.25)
+    backend = CpuPagedBackend(2, 1, 16, 0.25)
     group = metadata.groups[0]
     assert group.block_tables is not None
     table = group.block_tables[0].tolist()
@@ -689,7 +686,7 @@ def test_float32_rows_over_a_16_bit_cache_get_what_a_float32_cache_of_its_values
     )
     narrow = kv_cache.to(cache_dtype)  # [2, num_blocks, block_size, kv_heads, head_dim]
     wide = narrow.float()
-    backend = CpuPagedAttention(9, 3, 64, 0.125)
+    backend = CpuPagedBackend(9, 3, 64, 0.125)
     actual = backend.forward(query, key, value, narrow, metadata)  # [T, heads, head_dim] float32
     kernel_calls = list(kernels)
     same_values = backend.forward(
@@ -703,7 +700,7 @@ def test_float32_rows_over_a_16_bit_cache_get_what_a_float32_cache_of_its_values
     taken = cpu_kernels.prefill_kernel_available(torch.float32)
     assert kernel_calls == (["decode", "prefill", "prefill"] if taken else ["decode"])
     reference_cache = kv_cache.to(cache_dtype)
-    expected = TorchPagedAttention(9, 3, 64, 0.125).forward(query, key, value, reference_cache, metadata)
+    expected = TorchReferenceBackend(9, 3, 64, 0.125).forward(query, key, value, reference_cache, metadata)
     assert torch.equal(reference_cache, narrow)
     torch.testing.assert_close(actual, expected, atol=ATOL[torch.float32], rtol=0)
 
@@ -777,13 +774,13 @@ def test_kernel_rejects_bad_inputs() -> None:
 
 def test_selection_defaults_to_the_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENMILL_ATTENTION_BACKEND", raising=False)
-    assert select_attention_backend(torch.device("cpu"), torch.bfloat16) is CpuPagedAttention
-    assert select_attention_backend(torch.device("cuda"), torch.bfloat16) is TorchPagedAttention
+    assert select_backend(torch.device("cpu"), torch.bfloat16) is CpuPagedBackend
+    assert select_backend(torch.device("cuda"), torch.bfloat16) is TorchReferenceBackend
     monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "torch")
-    assert select_attention_backend(torch.device("cpu"), torch.bfloat16) is TorchPagedAttention
+    assert select_backend(torch.device("cpu"), torch.bfloat16) is TorchReferenceBackend
     monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="TOKENMILL_ATTENTION_BACKEND"):
-        select_attention_backend(torch.device("cpu"), torch.bfloat16)
+        select_backend(torch.device("cpu"), torch.bfloat16)
 
 
 def test_a_kernel_that_cannot_build_is_announced(
@@ -792,12 +789,12 @@ def test_a_kernel_that_cannot_build_is_announced(
     monkeypatch.setattr(cpu_kernels, "load_error", lambda: "CalledProcessError: no compiler")
     monkeypatch.delenv("TOKENMILL_ATTENTION_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING):
-        assert select_attention_backend(torch.device("cpu"), torch.float32) is TorchPagedAttention
+        assert select_backend(torch.device("cpu"), torch.float32) is TorchReferenceBackend
     assert "no compiler" in caplog.text and "falling back" in caplog.text
     attention._select.cache_clear()
     monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", "cpu")
     with pytest.raises(RuntimeError, match="no compiler"):
-        select_attention_backend(torch.device("cpu"), torch.float32)
+        select_backend(torch.device("cpu"), torch.float32)
 
 
 # ---------------------------------------------------------------- end to end
@@ -809,7 +806,7 @@ def test_llm_greedy_tokens_are_the_same_with_both_backends(tiny_model, monkeypat
     prompts = [[rng.randrange(5, 160) for _ in range(n)] for n in (2, 7, 13, 26)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     tokens = {}
-    for backend, cls in (("torch", TorchPagedAttention), ("cpu", CpuPagedAttention)):
+    for backend, cls in (("torch", TorchReferenceBackend), ("cpu", CpuPagedBackend)):
         monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", backend)
         attention._select.cache_clear()
         llm = LLM(model.path, dtype="float32", block_size=4, num_blocks=64)
@@ -876,7 +873,7 @@ def test_per_sequence_attention_of_long_chunks_matches_the_padded_batch(
         head_dim=64,
         dtype=dtype,
     )
-    backend = TorchPagedAttention(6, 2, 64, 0.125)
+    backend = TorchReferenceBackend(6, 2, 64, 0.125)
     outputs = []
     for threshold in (10**9, 1):  # padded batch, then one call per sequence
         monkeypatch.setattr(torch_ref, "PER_SEQUENCE_MIN_QUERIES", threshold)

@@ -18,7 +18,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import TierConfig
 from tokenmill.core.engine_core import MAX_PAUSES_PER_STEP
 from tokenmill.layers import fused_cpu
-from tokenmill.step_control import InterruptFlag, StepInterrupted
+from tokenmill.step_control import InterruptFlag
 from tokenmill.worker.forward_batch import LayerProgress
 
 
@@ -171,16 +171,14 @@ def test_the_fused_stack_stops_before_a_layer_when_the_flag_is_raised_and_goes_o
     *args, _ = args  # the interrupt, passed below
     raised, lowered = torch.ones(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
     assert torch.equal(original(hidden.clone(), *args, lowered), out)
-    with pytest.raises(StepInterrupted, match="latency-critical") as stopped:
-        original(hidden.clone(), *args, raised)
-    progress = stopped.value.progress
+    # A raised flag makes the call return where it stopped (layers never raise to stop a step).
+    progress = original(hidden.clone(), *args, raised)
     assert isinstance(progress, LayerProgress) and progress.next_layer == 0 and progress.residual is None
     # A resumed call runs one layer before it reads the flag again; from where it stops, the rest of
     # the stack gives the same bits as one call.
     for layer in (1, 2):
-        with pytest.raises(StepInterrupted) as stopped:
-            original(hidden, *args, raised, resume_from=progress)
-        progress = stopped.value.progress
+        progress = original(hidden, *args, raised, resume_from=progress)
+        assert isinstance(progress, LayerProgress)
         assert progress.next_layer == layer and progress.residual is not None
     assert torch.equal(original(hidden, *args, lowered, resume_from=progress), out)
     with pytest.raises(RuntimeError, match="takes the residual stream"):

@@ -19,9 +19,9 @@ import logging
 import torch
 
 from tokenmill.config import fused_cpu_ops_enabled
+from tokenmill.layers.attention.metadata import DecodesAndChunks
 from tokenmill.layers.cpu_kernels import load_error
-from tokenmill.step_control import StepInterrupted
-from tokenmill.worker.forward_batch import DecodesAndChunks, LayerProgress
+from tokenmill.step_control import LayerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def llama_decode_stack(
     hidden: torch.Tensor,  # [S, hidden] bfloat16 or float32, contiguous: the embeddings; overwritten
-    weights: list[torch.Tensor],  # every layer's, in order: see models/llama.FusedDecodeWeights
+    weights: list[torch.Tensor],  # every layer's, in order: see fused_decode_stack.FusedDecodeWeights
     biases: list[torch.Tensor | None],  # every layer's qkv, o, gate_up, down
     kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
     positions: torch.Tensor,  # [S] int64
@@ -101,12 +101,12 @@ def llama_decode_stack(
     interrupt: torch.Tensor | None = None,  # [1] uint8 (step_control.py), polled between layers
     chunks: DecodesAndChunks | None = None,
     resume_from: LayerProgress | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | LayerProgress:
     """Every Llama decoder layer over a step of decodes with int4 projections (bfloat16) or float32
     panels (each with its bias, if any), then the final norm, in one C++ call
     (``csrc/decoder_layer_cpu.cpp``): the same kernels in the same order as the layer modules and the
     model's norm, so the same bits. Returns the final norm's output ``[S, hidden]``. If ``interrupt``
-    is raised before a layer, raises ``StepInterrupted`` whose ``progress`` is where the call stopped;
+    is raised before a layer, returns the ``LayerProgress`` where the call stopped instead;
     ``resume_from`` (such a progress; ``hidden`` is then ignored) goes on from there, running at least
     one layer before it reads the flag again. With ``chunks``, ``block_tables`` and ``seq_lens`` are
     those of ``chunks.decode_rows`` and each of ``chunks.chunk_spans`` attends through the prefill
@@ -143,8 +143,7 @@ def llama_decode_stack(
         residual,
     )  # [S, hidden] (the final norm's output, or the input of layer next_layer), [S, hidden] or [0], int
     if next_layer < len(kv_caches):
-        stopped = LayerProgress(next_layer, out, residual_out if residual_out.numel() else None)
-        raise StepInterrupted("a latency-critical request arrived", stopped)
+        return LayerProgress(next_layer, out, residual_out if residual_out.numel() else None)
     return out
 
 

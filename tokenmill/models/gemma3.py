@@ -22,12 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import select_attention_backend
+from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, get_rope
+from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights
+from tokenmill.step_control import LayerProgress
 from tokenmill.worker.forward_batch import ForwardBatch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -121,7 +123,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.rotary = rotary  # shared by every layer of the same type
-        backend = select_attention_backend(torch.get_default_device(), dtype)
+        backend = select_backend(torch.get_default_device(), dtype)
         self.attn = backend(
             args.num_heads, args.num_kv_heads, args.head_dim, args.query_pre_attn_scalar**-0.5
         )
@@ -178,7 +180,7 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(normed))  # [num_tokens, hidden_size]
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """Gemma 3's text decoder over a paged KV cache (transformers' ``Gemma3ForCausalLM``).
 
     ``layer_sliding_windows`` tells the model runner which attention metadata each layer needs;
@@ -226,7 +228,9 @@ class Gemma3ForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.args.num_layers
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
+        """Every token's final hidden state ``[num_tokens, hidden_size]``, or the ``LayerProgress``
+        before the layer where ``batch.control`` stopped the pass."""
         progress = batch.resume_from
         if progress is None:
             embedded = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
@@ -235,8 +239,8 @@ class Gemma3ForCausalLM(nn.Module):
         else:  # a paused pass goes on (step_control.py); the stream is the hidden state itself
             hidden, start = progress.hidden, progress.next_layer
         for index in range(start, len(self.layers)):
-            # A latency-critical arrival may stop the step here.
-            batch.check_interrupt(index, hidden, None)
+            if batch.control.should_stop(index):  # a latency-critical arrival stops the step here
+                return LayerProgress(index, hidden, None)
             hidden = self.layers[index](hidden, batch, index)
         return self.norm(hidden)  # [num_tokens, hidden_size]
 

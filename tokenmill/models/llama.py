@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import fused_cpu
-from tokenmill.layers.attention import select_attention_backend
-from tokenmill.layers.attention.cpu_paged import CpuPagedAttention
+from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.fused_decode_stack import FusedDecodeStack, LlamaLayerParts
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, get_rope
+from tokenmill.layers.rotary import get_rope
+from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights
+from tokenmill.step_control import LayerProgress
 from tokenmill.worker.forward_batch import ForwardBatch
 
 QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
@@ -103,7 +105,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary = rotary  # shared by every layer
         # The model is built under `with torch.device(...)`, so the default device is the target one.
-        backend = select_attention_backend(torch.get_default_device(), dtype)
+        backend = select_backend(torch.get_default_device(), dtype)
         self.attn = backend(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, layer_index: int) -> torch.Tensor:
@@ -166,92 +168,25 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def fused_decode_weights(self) -> FusedDecodeWeights | None:
-        """This layer's tensors for ``fused_cpu.llama_decode_stack``, or None unless the layer is exactly
-        what that op computes: the CPU kernel attention, static rotary, a SiLU ``LlamaMLP``, no tensor
-        parallelism, and either bfloat16 norms (q/k norms too, if any) with all four projections on
-        the int4 kernel, or float32 norms with all four on float32 panels (``layers/cpu_gemm.py``, CPUs
-        without AVX-512)."""
+    def fused_stack_parts(self) -> LlamaLayerParts | None:
+        """This layer's parts for the fused CPU decoder stack (``layers/fused_decode_stack.py``, which
+        decides whether they fit it), or None when its feed-forward is not a SiLU ``LlamaMLP``."""
         attention, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP) or mlp.hidden_act != "silu":
             return None
-        if not isinstance(attention.attn, CpuPagedAttention):
-            return None
-        rotary = attention.rotary
-        if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
-            return None
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         q_norm, k_norm = attention.q_norm, attention.k_norm
-        head_norms = () if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
-        dtype = norms[0].dtype
-        if dtype not in (torch.bfloat16, torch.float32) or any(
-            w.dtype != dtype for w in (*norms, *head_norms)
-        ):
-            return None
-        fused = FusedDecodeWeights(weights=list(norms), biases=[], max_rows=0, dtype=dtype)
-        max_rows = []
-        for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if linear.tp_size != 1 or linear.weight.dtype != dtype:
-                return None
-            int4_weight, packed = linear.int4_weight, linear.packed_weight
-            if dtype == torch.bfloat16 and int4_weight is not None:
-                fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
-                max_rows.append(int4_weight.max_rows)
-            elif (
-                dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
-            ):
-                fused.weights.append(packed.data)
-                max_rows.append(PANELS_MAX_ROWS)
-            else:
-                return None
-            fused.biases.append(linear.bias)
-        fused.weights += head_norms
-        fused.max_rows = min(max_rows)
-        return fused
+        return LlamaLayerParts(
+            input_norm=self.input_layernorm.weight,
+            post_attention_norm=self.post_attention_layernorm.weight,
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            attention=attention.attn,
+            rotary=attention.rotary,
+            projections=(attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj),
+        )
 
 
-# The float32 panel kernel takes any number of rows; the fused stack then takes as many.
-PANELS_MAX_ROWS = 1 << 30
-
-
-@dataclass
-class FusedDecodeWeights:
-    """One layer's tensors for ``fused_cpu.llama_decode_stack``: ``weights`` (both norms' weights, the
-    projections' weights of qkv, o, gate_up and down — int4 ``(packed, scales, mins)`` each in
-    bfloat16, float32 panels in float32 — then the q and k norms' weights if the layer has them),
-    ``biases`` (those four projections' biases or None), ``max_rows``, the most rows its projections
-    take, and ``dtype``, the activations' (bfloat16 or float32)."""
-
-    weights: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
-    max_rows: int
-    dtype: torch.dtype
-
-
-@dataclass
-class FusedDecodeStack:
-    """The arguments of ``fused_cpu.llama_decode_stack`` that do not change between steps: every
-    layer's ``weights`` and ``biases`` in layer order (``layers`` keeps them per layer),
-    ``max_rows``, the most rows every layer's projections take, and the activations' ``dtype``."""
-
-    layers: list[FusedDecodeWeights]
-    weights: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
-    max_rows: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, layers: list[FusedDecodeWeights]) -> FusedDecodeStack | None:
-        """The stack of ``layers``, or None unless they are laid out alike (one dtype, the same number
-        of weights each: the op reads one layout for all)."""
-        if len({(layer.dtype, len(layer.weights)) for layer in layers}) != 1:
-            return None
-        weights = [tensor for layer in layers for tensor in layer.weights]
-        biases = [bias for layer in layers for bias in layer.biases]
-        return cls(layers, weights, biases, min(layer.max_rows for layer in layers), layers[0].dtype)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """A Llama-family causal LM over a paged KV cache.
 
     ``forward`` returns hidden states for every token of the batch; ``compute_logits`` projects
@@ -274,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
-        # The tensors of the fused CPU decode stack (see prepare_for_inference).
+        # The fused CPU decoder stack over all layers, when they fit it (see prepare_for_inference).
         self.decode_stack: FusedDecodeStack | None = None
 
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
@@ -299,73 +234,31 @@ class LlamaForCausalLM(nn.Module):
         return self.args.num_layers
 
     def prepare_for_inference(self) -> None:
-        """Collect every layer's tensors for the fused CPU decode stack (all layers fit it, or it is
-        not used); the model runner calls this once the weights are final."""
-        self.decode_stack = None
-        per_layer = [cast(LlamaDecoderLayer, layer).fused_decode_weights() for layer in self.layers]
-        fitting = [entry for entry in per_layer if entry is not None]
-        if fitting and len(fitting) == len(per_layer):
-            stack = FusedDecodeStack.of(fitting)
-            if stack is not None and self.norm.weight.dtype == stack.dtype:
-                self.decode_stack = stack
-
-    def _forward_fused_decodes(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The decoder stack and the final norm through ``fused_cpu.llama_decode_stack`` when the
-        attention backend attends this step's rows with its kernels (decodes, and prompt chunks
-        through the prefill kernel or as decodes: ``CpuPagedAttention.stack_attention``), the rows fit
-        the int4 kernels and every layer fits the op (``prepare_for_inference``); None otherwise, for
-        the layer modules."""
-        stack = self.decode_stack
-        num_tokens = hidden.shape[0]
-        if (
-            stack is None
-            or num_tokens > stack.max_rows
-            or hidden.dtype != stack.dtype
-            or not fused_cpu.applies_to(hidden)
-        ):
-            return None
-        backend = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn
-        rotary = self.rotary
-        assert isinstance(backend, CpuPagedAttention) and isinstance(rotary, RotaryEmbedding)
-        rows = backend.stack_attention(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
-        if rows is None:
-            return None
+        """Build the fused CPU decoder stack over every layer (all layers fit it, or it is not used);
+        the model runner calls this once the weights are final."""
         args = self.args
-        return fused_cpu.llama_decode_stack(
-            hidden,
-            stack.weights,
-            stack.biases,
-            batch.kv_caches,
-            batch.positions,
-            rotary.cos_cache,
-            rotary.sin_cache,
-            batch.attn.slot_mapping,
-            rows.block_tables,
-            rows.seq_lens,
-            self.norm.weight,
-            (args.num_heads, args.num_kv_heads, args.head_dim),
-            args.rms_norm_eps,
-            backend.scale,
-            rows.sliding_window,
-            batch.interrupt_tensor,
-            chunks=rows.chunks,
-            resume_from=batch.resume_from,
-        )  # [num_tokens, hidden_size]
+        parts = [cast(LlamaDecoderLayer, layer).fused_stack_parts() for layer in self.layers]
+        shape = (args.num_heads, args.num_kv_heads, args.head_dim)
+        self.decode_stack = FusedDecodeStack.build(parts, self.norm.weight, shape, args.rms_norm_eps)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
+        """Every token's final hidden state ``[num_tokens, hidden_size]``, or the ``LayerProgress``
+        before the layer where ``batch.control`` stopped the pass; a paused pass goes on from
+        ``batch.resume_from`` (step_control.py)."""
         progress = batch.resume_from
         if progress is None:
             hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
             residual: torch.Tensor | None = None
             start = 0
-        else:  # a paused pass goes on (step_control.py)
+        else:
             hidden, residual, start = progress.hidden, progress.residual, progress.next_layer
-        fused = self._forward_fused_decodes(batch, hidden)
-        if fused is not None:
-            return fused
+        if self.decode_stack is not None:
+            fused = self.decode_stack.run(hidden, batch)  # all layers and the norm in one C++ call
+            if fused is not None:
+                return fused
         for index in range(start, len(self.layers)):
-            # A latency-critical arrival may stop the step here.
-            batch.check_interrupt(index, hidden, residual)
+            if batch.control.should_stop(index):  # a latency-critical arrival stops the step here
+                return LayerProgress(index, hidden, residual)
             hidden, residual = self.layers[index](hidden, residual, batch, index)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [num_tokens, hidden_size]

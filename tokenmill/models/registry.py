@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from torch import nn
-
+from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
 from tokenmill.models.qwen_moe import QwenMoeForCausalLM
 
-NATIVE_MODELS: dict[str, type[nn.Module]] = {
+NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -39,7 +38,7 @@ def choose_model_impl(config, model_impl: str) -> str:  # type: ignore[no-untype
     return "native"
 
 
-def resolve_model_class(config) -> type[nn.Module]:  # type: ignore[no-untyped-def]
+def resolve_model_class(config) -> type[CausalLM]:  # type: ignore[no-untyped-def]
     """The native class for ``config.architectures``; ValueError names the architecture if none."""
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures and getattr(config, "model_type", None) in (

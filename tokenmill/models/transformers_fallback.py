@@ -30,7 +30,8 @@ import torch
 import transformers
 from torch import nn
 
-from tokenmill.layers.attention import TorchPagedAttention, select_attention_backend
+from tokenmill.layers.attention import AttentionBackend, select_backend
+from tokenmill.models.base import CausalLM
 from tokenmill.worker.forward_batch import ForwardBatch
 
 ATTENTION_NAME = "tokenmill_paged"
@@ -45,7 +46,7 @@ class PagedAttentionCall:
     """What one forward step's attention calls need: the batch, and each layer's attention backend."""
 
     batch: ForwardBatch
-    layers: list[TorchPagedAttention]
+    layers: list[AttentionBackend]
 
 
 @dataclass
@@ -173,11 +174,13 @@ def _check_backend(model_class: type, arch: str) -> None:
         )
 
 
-class TransformersForCausalLM(nn.Module):
+class TransformersForCausalLM(CausalLM):
     """A transformers causal LM whose attention runs over tokenmill's paged KV cache.
 
-    ``forward_logits(batch)`` runs the whole transformers model (its own LM head and any logit
-    post-processing) and returns float32 logits for ``batch.logits_rows`` only. ``num_layers``,
+    It implements the model interface (``models/base.py``) with ``forward_logits(batch)``, which
+    runs the whole transformers model (its own LM head and any logit post-processing, on
+    ``logits_to_keep`` rows) and returns float32 logits for ``batch.logits_rows`` only; it never stops
+    between layers (transformers' loop has no place to ask ``batch.control``). ``num_layers``,
     ``num_kv_heads``, ``head_dim`` and ``sliding_window`` size and mask the KV cache; they are what
     the model's attention calls showed at load.
     """
@@ -194,7 +197,7 @@ class TransformersForCausalLM(nn.Module):
         self._num_kv_heads = layers[0].num_kv_heads
         self._head_dim = layers[0].head_dim
         self._sliding_window = layers[0].sliding_window
-        backend = select_attention_backend(device, dtype)
+        backend = select_backend(device, dtype)
         self.attention_layers = [
             backend(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale) for layer in layers
         ]

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.step_io import GrammarBitmask, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenmill.layers.attention.cpu_paged import kernels_read
+from tokenmill.layers.attention import SequenceStep, select_backend
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -22,13 +22,21 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
+from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_random, make_generator
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
-from tokenmill.step_control import InterruptFlag, StepInterrupted, StepPaused
+from tokenmill.step_control import (
+    NEVER_STOP,
+    InterruptFlag,
+    LayerProgress,
+    StepControl,
+    StepInterrupted,
+    StepPaused,
+)
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
-from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, ForwardBatch, LayerProgress
+from tokenmill.worker.forward_batch import ForwardBatch
 from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
@@ -69,7 +77,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         self.model_impl = choose_model_impl(source.hf_config, config.model.model_impl)
-        self.model: torch.nn.Module
+        self.model: CausalLM
         if self.model_impl == "transformers":
             # Imported here: transformers' modelling machinery takes seconds to import.
             from tokenmill.models.transformers_fallback import load_transformers_model
@@ -86,7 +94,7 @@ class ModelRunner:
         else:
             model_class = resolve_model_class(source.hf_config)
             with torch.device(self.device):
-                self.model = model_class(source.hf_config, self.dtype)  # type: ignore[call-arg]
+                self.model = model_class(source.hf_config, self.dtype)
             self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
@@ -116,28 +124,24 @@ class ModelRunner:
         kv_dtype = (
             self.dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
         )
-        if self.device.type == "cpu" and not kernels_read(self.dtype, kv_dtype):
-            logger.warning(
-                "a %s KV cache under %s activations attends through the torch reference, slower than the "
-                "CPU kernels (they take the model's dtype, or a 16-bit cache under float32)",
-                str(kv_dtype).removeprefix("torch."),
-                str(self.dtype).removeprefix("torch."),
-            )
+        # The model's layers made the same choice (select_backend is cached); the runner needs the
+        # class to build each step's attention metadata.
+        self.attn_backend = select_backend(self.device, self.dtype, kv_dtype)
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(
             config.cache.kv_cache_memory,
             self.device,
-            num_layers=self.model.num_layers,  # type: ignore[arg-type]
+            num_layers=self.model.num_layers,
             block_size=self.block_size,
-            num_kv_heads=self.model.num_kv_heads,  # type: ignore[arg-type]
-            head_dim=self.model.head_dim,  # type: ignore[arg-type]
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
             dtype=kv_dtype,
         )
         self.kv_caches = allocate_kv_caches(
             self.num_blocks,
-            num_layers=self.model.num_layers,  # type: ignore[arg-type]
+            num_layers=self.model.num_layers,
             block_size=self.block_size,
-            num_kv_heads=self.model.num_kv_heads,  # type: ignore[arg-type]
-            head_dim=self.model.head_dim,  # type: ignore[arg-type]
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
             dtype=kv_dtype,
             device=self.device,
         )
@@ -154,10 +158,8 @@ class ModelRunner:
         )
         # The model-wide window (Mistral: every layer) and each layer's own (Gemma 3 mixes sliding
         # and global layers); one attention metadata is built per distinct window.
-        self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
-        self.layer_sliding_windows: list[int | None] = list(
-            getattr(self.model, "layer_sliding_windows", None) or [self.sliding_window]
-        )
+        self.sliding_window: int | None = self.model.sliding_window
+        self.layer_sliding_windows: list[int | None] = list(self.model.layer_sliding_windows)
         # What the KV manager may release: blocks outside the widest window, when no layer is global.
         windows = self.layer_sliding_windows
         self.kv_window: int | None = None if None in windows else max(w for w in windows if w is not None)
@@ -213,7 +215,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
         if (plan.interruptible or plan.pausable) and self.interrupt is not None:
-            batch.interrupt, batch.interrupt_tensor = self.interrupt, self.interrupt_tensor
+            batch.control = StepControl(self.interrupt, self.interrupt_tensor)
         return self._finish(SuspendedStep(plan, batch, sample_entries, prompt_rows))
 
     @torch.inference_mode()
@@ -222,7 +224,7 @@ class ModelRunner:
         ``may_pause`` it may pause again, else it runs to the end."""
         batch = suspended.batch
         if not may_pause:
-            batch.interrupt = batch.interrupt_tensor = None
+            batch.control = NEVER_STOP
         return self._finish(suspended)
 
     def _finish(self, step: SuspendedStep) -> ModelRunnerOutput:
@@ -230,13 +232,12 @@ class ModelRunner:
         plan stopped by the interrupt raises ``StepPaused`` with what ``resume`` needs; an
         interruptible one ``StepInterrupted`` (it is abandoned)."""
         batch, sample_entries, prompt_rows = step.batch, step.sample_entries, step.prompt_rows
-        try:
-            logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] f32 or activation dtype
-        except StepInterrupted as stopped:
-            if step.plan.interruptible or not isinstance(stopped.progress, LayerProgress):
-                raise
-            batch.resume_from = stopped.progress
-            raise StepPaused(step) from None
+        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] f32 or activation dtype
+        if isinstance(logits, LayerProgress):  # the step's control stopped the forward before a layer
+            if step.plan.interruptible:
+                raise StepInterrupted("a latency-critical request arrived", logits)
+            batch.resume_from = logits
+            raise StepPaused(step)
         batch.resume_from = None
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
@@ -251,14 +252,11 @@ class ModelRunner:
             output.prompt_logprobs[request_id] = _to_position_logprobs(ids, logprobs, ranks, num_top)
         return output
 
-    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits for ``batch.logits_rows``. A native model returns every token's hidden state and
-        projects only those rows; the transformers fallback runs its model's own head (which may
-        post-process logits) on those rows inside its forward."""
-        if self.model_impl == "transformers":
-            return self.model.forward_logits(batch)  # type: ignore[operator]
-        hidden = self.model(batch)  # [num_tokens, hidden_size]
-        return self.model.compute_logits(hidden[batch.logits_rows])  # type: ignore[operator]
+    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
+        """Logits ``[num_logit_rows, vocab_size]`` for ``batch.logits_rows``, or the ``LayerProgress``
+        where ``batch.control`` stopped the forward (``models/base.py``: native models and the
+        transformers fallback share this interface)."""
+        return self.model.forward_logits(batch)
 
     def _sample(
         self,
@@ -319,25 +317,23 @@ class ModelRunner:
         seq_lens: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
+        sequences: list[SequenceStep] = []
         for entry in entries:
             offsets.append(len(token_ids))
             start, n = entry.start_position, len(entry.token_ids)
             table = entry.block_table
+            sequences.append(SequenceStep(len(token_ids), start, n, table))
             token_ids.extend(entry.token_ids)
             positions.extend(range(start, start + n))
             seq_lens.extend([start + n] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
 
-        decode = [i for i, e in enumerate(entries) if len(e.token_ids) == 1]
-        prefill = [i for i, e in enumerate(entries) if len(e.token_ids) > 1]
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        attn_by_window = {
-            window: AttentionMetadata(
-                slot_mapping=slot_mapping,
-                groups=[self._build_group(entries, offsets, idx, window) for idx in (decode, prefill) if idx],
-            )
-            for window in dict.fromkeys(self.layer_sliding_windows)
-        }
+        # The backend turns the step's plain facts into what its forward reads (masks, gather
+        # indices, block tables), once per step for every window the model's layers use.
+        attn_by_window = self.attn_backend.build_metadata(
+            sequences, slot_mapping, bs, self.layer_sliding_windows
+        )
 
         sample_entries: list[ScheduledRequest] = []
         sample_rows: list[int] = []
@@ -367,59 +363,10 @@ class ModelRunner:
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """Let steps the scheduler marks ``interruptible`` be abandoned between layers when ``flag`` is
-        raised (``step_control.py``); the model raises ``StepInterrupted`` out of ``execute``."""
+        raised (``step_control.py``): the step's ``StepControl`` stops its forward between layers, and
+        ``execute`` raises ``StepInterrupted``."""
         self.interrupt = flag
         self.interrupt_tensor = None if flag is None else torch.frombuffer(flag.buffer, dtype=torch.uint8)
-
-    def _build_group(
-        self,
-        entries: list[ScheduledRequest],
-        offsets: list[int],
-        members: list[int],
-        sliding_window: int | None,
-    ) -> AttentionGroup:
-        """Padded gather indices and the causal mask for one group of sequences.
-
-        ``sliding_window`` (None: full attention) limits each query to that many trailing positions,
-        itself included. Block-table entries the KV manager released (negative: outside every
-        layer's window) read block 0 and are always masked out.
-        """
-        bs = self.block_size
-        device = self.device
-        num_new = torch.tensor([len(entries[i].token_ids) for i in members], dtype=torch.long)  # [S]
-        starts = torch.tensor([entries[i].start_position for i in members], dtype=torch.long)  # [S]
-        row_offsets = torch.tensor([offsets[i] for i in members], dtype=torch.long)  # [S]
-        num_queries = int(num_new.max())
-        num_keys = int((starts + num_new).max())
-        max_blocks = -(-num_keys // bs)
-        tables = torch.zeros(len(members), max_blocks, dtype=torch.long)  # [S, max_blocks]
-        for row, i in enumerate(members):
-            table = entries[i].block_table[:max_blocks]
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long).clamp_(min=0)
-
-        q_index = torch.arange(num_queries)  # [Q]
-        valid = q_index[None, :] < num_new[:, None]  # [S, Q]
-        query_rows = torch.where(valid, row_offsets[:, None] + q_index[None, :], 0)  # [S, Q]
-        key_index = torch.arange(num_keys)  # [K]
-        kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
-        query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
-        mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
-        if sliding_window is not None:
-            # A query sees only the last `sliding_window` positions, itself included.
-            mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
-        valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
-        return AttentionGroup(
-            query_rows=query_rows.to(device),
-            kv_slots=kv_slots.to(device),
-            mask=mask.unsqueeze(1).to(device),
-            valid_rows=query_rows.reshape(-1)[valid_index].to(device),
-            valid_index=valid_index.to(device),
-            num_queries=num_queries,
-            block_tables=tables.to(device),
-            seq_lens=(starts + num_new).to(device),
-            sliding_window=sliding_window,
-            spans=[(offsets[i], entries[i].start_position, len(entries[i].token_ids)) for i in members],
-        )
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.layers.attention.torch_ref import TorchPagedAttention
+from tokenmill.layers.attention.metadata import AttentionGroup, AttentionMetadata, DecodesAndChunks
+from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.cpu_kernels import (
     MAX_HEAD_DIM,
     paged_attention_decode,
@@ -31,7 +32,6 @@ from tokenmill.layers.cpu_kernels import (
     prefill_kernel_available,
     write_kv,
 )
-from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata, DecodesAndChunks
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,9 +65,11 @@ class StackAttention(NamedTuple):
 SHORT_CHUNK_MAX_QUERIES = 32
 
 
-class CpuPagedAttention(TorchPagedAttention):
-    """Same contract as ``TorchPagedAttention`` (new K/V written first, then causal attention per
-    sequence); needs the kernel loaded (``cpu_kernels.load_error()`` None) and CPU tensors."""
+class CpuPagedBackend(TorchReferenceBackend):
+    """Same contract as ``TorchReferenceBackend`` (new K/V written first, then causal attention per
+    sequence) and the same metadata, whose block tables and spans its kernels read; needs the kernel
+    loaded (``cpu_kernels.load_error()`` None) and CPU tensors. It also chooses whether a step runs
+    through the fused CPU decoder stack (``stack_attention``, ``layers/fused_decode_stack.py``)."""
 
     name = "cpu"
 
@@ -205,7 +207,7 @@ class CpuPagedAttention(TorchPagedAttention):
         order: a step of decodes only (one group, one query per sequence, rows in sequence order), or
         one whose prompt chunks are all short (``AttentionMetadata.rows_as_decodes``); else None. ``forward``
         attends such steps with these arguments, and so does the fused decode stack
-        (``fused_cpu.llama_decode_stack``)."""
+        (``fused_decode_stack.FusedDecodeStack``)."""
         groups = metadata.groups
         if any(g.num_queries > 1 for g in groups):
             if self._chunks_take_prefill_kernel(dtype, kv_cache, groups):
@@ -230,7 +232,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def stack_attention(
         self, metadata: AttentionMetadata, num_tokens: int, dtype: torch.dtype, kv_cache: torch.Tensor
     ) -> StackAttention | None:
-        """How the fused decode stack (``fused_cpu.llama_decode_stack``) attends this step's rows as
+        """How the fused decode stack (``fused_decode_stack.FusedDecodeStack``) attends this step's rows as
         ``forward`` would, with the same kernels on the same rows: every row a decode (``kernel_rows``),
         or decodes through the decode kernel and prompt chunks through the prefill kernel when that
         takes every chunk group (``_prefill_kernel_takes``); None when neither applies."""

@@ -7,31 +7,52 @@ group's mask, so there is no Python loop over requests. Faster backends are test
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from tokenmill.worker.forward_batch import AttentionGroup, AttentionMetadata
+from tokenmill.layers.attention.backend import AttentionBackend, SequenceStep
+from tokenmill.layers.attention.metadata import AttentionGroup, AttentionMetadata
 
 # Prompt groups whose longest chunk has at least this many tokens attend one sequence at a time:
 # the per-call overhead is then small next to the attention, and causal chunks skip half the scores.
 PER_SEQUENCE_MIN_QUERIES = 256
 
 
-class TorchPagedAttention:
-    """Attention over a paged KV cache.
+class TorchReferenceBackend(AttentionBackend):
+    """The reference ``AttentionBackend``: runs on any device, every other backend is tested against it.
 
-    Contract: ``forward`` first stores this step's ``key``/``value`` at ``metadata.slot_mapping``,
-    then every query attends to its own sequence's cached tokens up to its own position. Faster
-    backends subclass this one and replace ``_attend_group`` for the groups they handle.
+    Its metadata puts a step's decodes (one new token each) in one padded group and its prompt chunks
+    in another (``AttentionGroup``: gather indices, a causal mask within each sequence's window, block
+    tables and spans for kernels that read the cache in place). Faster backends may subclass it, keep
+    its metadata and replace ``_attend_group`` for the groups they handle.
     """
 
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+    @classmethod
+    def build_metadata(
+        cls,
+        sequences: Sequence[SequenceStep],
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        block_size: int,
+        sliding_windows: Sequence[int | None],
+    ) -> dict[int | None, AttentionMetadata]:
+        decodes = [s for s in sequences if s.num_new_tokens == 1]
+        chunks = [s for s in sequences if s.num_new_tokens > 1]
+        device = slot_mapping.device
+        return {
+            window: AttentionMetadata(
+                slot_mapping=slot_mapping,
+                groups=[
+                    build_group(members, block_size, window, device)
+                    for members in (decodes, chunks)
+                    if members
+                ],
+            )
+            for window in dict.fromkeys(sliding_windows)
+        }
 
     def forward(
         self,
@@ -128,3 +149,49 @@ class TorchPagedAttention:
                     q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
                 )  # [1, H, n, D]
             out[row : row + num_new] = attended[0].transpose(0, 1)  # [n, H, D]
+
+
+def build_group(
+    members: Sequence[SequenceStep], block_size: int, sliding_window: int | None, device: torch.device
+) -> AttentionGroup:
+    """Padded gather indices and the causal mask for sequences attended together.
+
+    ``sliding_window`` (None: full attention) limits each query to that many trailing positions,
+    itself included. Block-table entries the KV manager released (negative: outside every layer's
+    window) read block 0 and are always masked out.
+    """
+    bs = block_size
+    num_new = torch.tensor([s.num_new_tokens for s in members], dtype=torch.long)  # [S]
+    starts = torch.tensor([s.start_position for s in members], dtype=torch.long)  # [S]
+    row_offsets = torch.tensor([s.row_offset for s in members], dtype=torch.long)  # [S]
+    num_queries = int(num_new.max())
+    num_keys = int((starts + num_new).max())
+    max_blocks = -(-num_keys // bs)
+    tables = torch.zeros(len(members), max_blocks, dtype=torch.long)  # [S, max_blocks]
+    for row, sequence in enumerate(members):
+        table = list(sequence.block_table[:max_blocks])
+        tables[row, : len(table)] = torch.tensor(table, dtype=torch.long).clamp_(min=0)
+
+    q_index = torch.arange(num_queries)  # [Q]
+    valid = q_index[None, :] < num_new[:, None]  # [S, Q]
+    query_rows = torch.where(valid, row_offsets[:, None] + q_index[None, :], 0)  # [S, Q]
+    key_index = torch.arange(num_keys)  # [K]
+    kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
+    query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
+    mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
+    if sliding_window is not None:
+        # A query sees only the last `sliding_window` positions, itself included.
+        mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
+    valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
+    return AttentionGroup(
+        query_rows=query_rows.to(device),
+        kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        valid_rows=query_rows.reshape(-1)[valid_index].to(device),
+        valid_index=valid_index.to(device),
+        num_queries=num_queries,
+        block_tables=tables.to(device),
+        seq_lens=(starts + num_new).to(device),
+        sliding_window=sliding_window,
+        spans=[(s.row_offset, s.start_position, s.num_new_tokens) for s in members],
+    )

@@ -1,0 +1,189 @@
+"""The fused CPU decoder stack as a layer-level hook: a whole Llama-style stack in one C++ call.
+
+A model hands the hook its layers' parts once its weights are final (``FusedDecodeStack.build``);
+per step, ``run`` either runs every remaining layer and the final norm through
+``fused_cpu.llama_decode_stack`` and returns the result, or returns None and the model runs its
+layer modules. Which steps it takes is the attention backend's choice
+(``CpuPagedBackend.stack_attention``: the rows its kernels attend as decodes, prompt chunks through
+the prefill kernel or as decodes); the hook adds only what the op itself needs (every layer's
+projections on the int4 kernel in bfloat16, or float32 panels, and few enough rows for them).
+The op gives the same bits as the layer modules, so taking it or not changes no output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.layers import fused_cpu
+from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
+from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.step_control import LayerProgress
+from tokenmill.worker.forward_batch import ForwardBatch
+
+# The float32 panel kernel takes any number of rows; the fused stack then takes as many.
+PANELS_MAX_ROWS = 1 << 30
+
+
+@dataclass
+class LlamaLayerParts:
+    """What the op reads of one pre-norm decoder layer with a SiLU gated MLP: the two norms' weights,
+    the per-head q/k norms' weights (None without), its attention backend and rotary embedding, and
+    its four projections ``(qkv, o, gate_up, down)``."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    attention: AttentionBackend
+    rotary: nn.Module
+    projections: tuple[LinearBase, LinearBase, LinearBase, LinearBase]
+
+
+@dataclass
+class FusedDecodeWeights:
+    """One layer's tensors for ``fused_cpu.llama_decode_stack``: ``weights`` (both norms' weights, the
+    projections' weights of qkv, o, gate_up and down — int4 ``(packed, scales, mins)`` each in
+    bfloat16, float32 panels in float32 — then the q and k norms' weights if the layer has them),
+    ``biases`` (those four projections' biases or None), ``max_rows``, the most rows its projections
+    take, and ``dtype``, the activations' (bfloat16 or float32)."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    max_rows: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, parts: LlamaLayerParts) -> FusedDecodeWeights | None:
+        """The layer's tensors, or None unless it is exactly what the op computes: the CPU kernel
+        attention, static rotary, no tensor parallelism, and either bfloat16 norms (q/k norms too, if
+        any) with all four projections on the int4 kernel, or float32 norms with all four on float32
+        panels (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
+        if not isinstance(parts.attention, CpuPagedBackend):
+            return None
+        rotary = parts.rotary
+        if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
+            return None
+        norms = (parts.input_norm, parts.post_attention_norm)
+        head_norms = () if parts.q_norm is None or parts.k_norm is None else (parts.q_norm, parts.k_norm)
+        dtype = norms[0].dtype
+        if dtype not in (torch.bfloat16, torch.float32) or any(
+            w.dtype != dtype for w in (*norms, *head_norms)
+        ):
+            return None
+        fused = cls(weights=list(norms), biases=[], max_rows=0, dtype=dtype)
+        max_rows = []
+        for linear in parts.projections:
+            if linear.tp_size != 1 or linear.weight.dtype != dtype:
+                return None
+            int4_weight, packed = linear.int4_weight, linear.packed_weight
+            if dtype == torch.bfloat16 and int4_weight is not None:
+                fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+                max_rows.append(int4_weight.max_rows)
+            elif (
+                dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
+            ):
+                fused.weights.append(packed.data)
+                max_rows.append(PANELS_MAX_ROWS)
+            else:
+                return None
+            fused.biases.append(linear.bias)
+        fused.weights += head_norms
+        fused.max_rows = min(max_rows)
+        return fused
+
+
+@dataclass
+class FusedDecodeStack:
+    """The arguments of ``fused_cpu.llama_decode_stack`` that do not change between steps: every
+    layer's ``weights`` and ``biases`` in layer order (``layers`` keeps them per layer),
+    ``max_rows``, the most rows every layer's projections take, the activations' ``dtype``, and the
+    model's shared parts (the first layer's backend, which decides the steps, the rotary tables,
+    the final norm's weight, the head shape and the norms' epsilon)."""
+
+    layers: list[FusedDecodeWeights]
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    max_rows: int
+    dtype: torch.dtype
+    backend: CpuPagedBackend
+    rotary: RotaryEmbedding
+    final_norm: torch.Tensor  # [hidden]
+    shape: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
+    eps: float
+
+    @classmethod
+    def build(
+        cls,
+        parts: list[LlamaLayerParts | None],
+        final_norm: torch.Tensor,
+        shape: tuple[int, int, int],
+        eps: float,
+    ) -> FusedDecodeStack | None:
+        """The stack of a model's layers (``parts`` in layer order; None for a layer that is not of
+        this form), or None unless every layer fits the op and all are laid out alike (one dtype, the
+        same number of weights each: the op reads one layout for all), in the final norm's dtype."""
+        per_layer = [None if p is None else FusedDecodeWeights.of(p) for p in parts]
+        layers = [layer for layer in per_layer if layer is not None]
+        if not layers or len(layers) != len(per_layer):
+            return None
+        if (
+            len({(layer.dtype, len(layer.weights)) for layer in layers}) != 1
+            or final_norm.dtype != layers[0].dtype
+        ):
+            return None
+        first = parts[0]
+        assert first is not None and isinstance(first.attention, CpuPagedBackend)
+        assert isinstance(first.rotary, RotaryEmbedding)
+        return cls(
+            layers=layers,
+            weights=[tensor for layer in layers for tensor in layer.weights],
+            biases=[bias for layer in layers for bias in layer.biases],
+            max_rows=min(layer.max_rows for layer in layers),
+            dtype=layers[0].dtype,
+            backend=first.attention,
+            rotary=first.rotary,
+            final_norm=final_norm,
+            shape=shape,
+            eps=eps,
+        )
+
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | LayerProgress | None:
+        """The decoder stack and the final norm over ``hidden`` (``[num_tokens, hidden_size]``: the
+        embeddings, or a paused pass's input at ``batch.resume_from``) in one call when the backend
+        attends this step's rows with its kernels and the rows fit every projection: the final norm's
+        output ``[num_tokens, hidden_size]``, or the ``LayerProgress`` where ``batch.control``'s flag
+        stopped it. None when the step does not take the op (the model runs its layer modules)."""
+        num_tokens = hidden.shape[0]
+        if num_tokens > self.max_rows or hidden.dtype != self.dtype or not fused_cpu.applies_to(hidden):
+            return None
+        rows = self.backend.stack_attention(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])
+        if rows is None:
+            return None
+        out = fused_cpu.llama_decode_stack(
+            hidden,
+            self.weights,
+            self.biases,
+            batch.kv_caches,
+            batch.positions,
+            self.rotary.cos_cache,
+            self.rotary.sin_cache,
+            batch.attn.slot_mapping,
+            rows.block_tables,
+            rows.seq_lens,
+            self.final_norm,
+            self.shape,
+            self.eps,
+            self.backend.scale,
+            rows.sliding_window,
+            batch.control.flag_tensor,
+            chunks=rows.chunks,
+            resume_from=batch.resume_from,
+        )  # [num_tokens, hidden_size], or where the flag stopped the call
+        if isinstance(out, LayerProgress):
+            batch.control.stopped_at(out.next_layer)
+        return out

@@ -45,14 +45,6 @@ PENDING_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
         ("tokenmill.server.context", "tokenmill.core.tiers"),
         ("tokenmill.server.engine_process", "tokenmill.core.engine_core"),
         ("tokenmill.frontend.async_llm", "tokenmill.server.engine_process"),
-        # h4 (attention backends, model interface): layers and models stop importing
-        # worker.forward_batch (worker -> layers/models -> worker circles).
-        ("tokenmill.layers.attention.cpu_paged", "tokenmill.worker.forward_batch"),
-        ("tokenmill.layers.attention.torch_ref", "tokenmill.worker.forward_batch"),
-        ("tokenmill.layers.fused_cpu", "tokenmill.worker.forward_batch"),
-        ("tokenmill.models.gemma3", "tokenmill.worker.forward_batch"),
-        ("tokenmill.models.llama", "tokenmill.worker.forward_batch"),
-        ("tokenmill.models.transformers_fallback", "tokenmill.worker.forward_batch"),
     }
 )
 

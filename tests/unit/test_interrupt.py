@@ -18,8 +18,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import TierConfig
 from tokenmill.core.engine_core import MAX_PAUSES_PER_STEP
 from tokenmill.layers import fused_cpu
+from tokenmill.layers.forward_batch import LayerProgress
 from tokenmill.step_control import InterruptFlag
-from tokenmill.worker.forward_batch import LayerProgress
 
 
 def slo_tiers() -> list[TierConfig]:

@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from tokenmill.layers.attention import SequenceStep, TorchReferenceBackend
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.step_control import LayerProgress, StepControl
-from tokenmill.worker.forward_batch import ForwardBatch
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 8
 

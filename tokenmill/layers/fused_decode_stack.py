@@ -20,10 +20,10 @@ from torch import nn
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
-from tokenmill.worker.forward_batch import ForwardBatch
 
 # The float32 panel kernel takes any number of rows; the fused stack then takes as many.
 PANELS_MAX_ROWS = 1 << 30

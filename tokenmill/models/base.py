@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.step_control import LayerProgress
-from tokenmill.worker.forward_batch import ForwardBatch
 
 
 class CausalLM(nn.Module):

@@ -24,13 +24,13 @@ from torch import nn
 
 from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, get_rope
 from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights
 from tokenmill.step_control import LayerProgress
-from tokenmill.worker.forward_batch import ForwardBatch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

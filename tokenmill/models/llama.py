@@ -17,6 +17,7 @@ from torch import nn
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_decode_stack import FusedDecodeStack, LlamaLayerParts
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -24,7 +25,6 @@ from tokenmill.layers.rotary import get_rope
 from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights
 from tokenmill.step_control import LayerProgress
-from tokenmill.worker.forward_batch import ForwardBatch
 
 QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 

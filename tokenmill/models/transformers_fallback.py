@@ -31,8 +31,8 @@ import transformers
 from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, select_backend
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.models.base import CausalLM
-from tokenmill.worker.forward_batch import ForwardBatch
 
 ATTENTION_NAME = "tokenmill_paged"
 PAGED_KWARG = "tokenmill_paged"  # the keyword argument that carries a PagedAttentionCall

@@ -18,6 +18,7 @@ from tokenmill.layers.attention import SequenceStep, select_backend
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
+from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource
@@ -36,7 +37,6 @@ from tokenmill.step_control import (
     StepPaused,
 )
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
-from tokenmill.worker.forward_batch import ForwardBatch
 from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)

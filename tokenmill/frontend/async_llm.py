@@ -157,6 +157,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._by_core_id: dict[str, _Stream] = {}
         self._closed = False
+        # Why this frontend failed its requests, when it did so on its own (its dispatch broke).
+        self._failed_reason: str | None = None
         self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name="tokenmill-output-dispatch")
 
     # ------------------------------------------------------------------ start-up
@@ -204,11 +206,11 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         """True while the engine process runs and has not reported a fault."""
-        return self._client.is_alive
+        return self._failed_reason is None and self._client.is_alive
 
     @property
     def dead_reason(self) -> str | None:
-        return self._client.dead_reason
+        return self._client.dead_reason or self._failed_reason
 
     async def generate(
         self,
@@ -426,6 +428,8 @@ class AsyncLLM:
     def _fail_streams(self, reason: str) -> None:
         """Fail every request in flight at once (the client fails the calls still waiting for an
         answer; later calls raise ``EngineDeadError``)."""
+        if self._failed_reason is None:
+            self._failed_reason = reason
         message = f"{reason} while this request was in flight"
         for stream in list(self._streams.values()):
             if stream.error is None and not stream.state.finished:

@@ -30,6 +30,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 MODEL_IMPLS = ("auto", "native", "transformers")
 # The activation dtypes (--dtype) and KV cache element types (--kv-cache-dtype); auto: see each.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# What a request without a service tier (or with OpenAI's ``auto``) runs in.
+AUTO_TIER = "auto"
+DEFAULT_TIER = "default"
 
 
 def attention_backend_choice() -> str:
@@ -210,6 +213,20 @@ class SchedulerConfig:
         """The names of the tiers with a TTFT target (steps may be cut for their arrivals)."""
         return {tier.name for tier in self.tiers if tier.ttft_slo is not None}
 
+    def resolve_tier(self, name: str | None) -> str:
+        """The tier a requested ``service_tier`` runs in (``auto`` and None mean ``default``).
+
+        Raises ValueError naming the offered tiers for an unknown name. The server resolves a
+        request's tier with it before sending, and the scheduler again on admission: one rule.
+        """
+        if name is None or name == AUTO_TIER:
+            return DEFAULT_TIER
+        names = [tier.name for tier in self.tiers]
+        if name not in names:
+            offered = ", ".join([AUTO_TIER, *names])
+            raise ValueError(f"service_tier {name!r} is not offered by this server; choose one of {offered}")
+        return name
+
     def cuts_steps(self) -> bool:
         """Whether some arrivals may cut a step in flight short (``step_control.py``)."""
         return bool(self.ttft_target_tiers()) or self.short_prefill_interrupt > 0
@@ -225,9 +242,9 @@ class SchedulerConfig:
         names = [tier.name for tier in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"service tier names must be unique, got {names}")
-        if "default" not in names:
+        if DEFAULT_TIER not in names:
             raise ValueError(f"the service tiers must include 'default' (what 'auto' means), got {names}")
-        if "auto" in names:
+        if AUTO_TIER in names:
             raise ValueError("'auto' is not a tier of its own: it means 'default'")
         for tier in self.tiers:
             if not 0.0 < tier.step_share <= 1.0:

@@ -1,6 +1,9 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, shaped like vLLM's.
 
-Runs the engine core in this process (no ZMQ) and the same input/output processing the server uses.
+Runs the engine core in this process (no ZMQ) behind an ``InProcClient`` (``core/client.py``), the
+same client interface the server uses over ZMQ: admission is all or none per prompt (its n samples),
+refusals raise ValueError, and utility calls (``reset_prefix_cache``, ``kv_stats``) are the engine
+core's own. Input and output processing are the server's too.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import build_engine_config
+from tokenmill.core.client import InProcClient, complete_now
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.loader import resolve_model
 from tokenmill.outputs import RequestOutput
+from tokenmill.protocol import EngineCoreRequest, UtilityValue
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,12 +38,17 @@ class LLM:
     ``LLM("smollm2-135m", dtype="float32")``; any field of ModelConfig, CacheConfig or
     SchedulerConfig is accepted as a keyword (``max_model_len``, ``num_blocks``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``...). Results come back in input order.
+
+    Contract: a prompt the engine refuses (it can never run, or ``max_waiting`` leaves no room for
+    it) raises ValueError and leaves nothing of that ``generate``/``chat`` call in the engine: the
+    prompts admitted before it are taken back.
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         config = build_engine_config(model, **kwargs)
         source = resolve_model(model)
         self.engine = EngineCore(config, source)
+        self.client = InProcClient(self.engine)
         self.tokenizer = source.load_tokenizer()
         self.input_processor = InputProcessor(self.tokenizer, source.hf_config, self.engine.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -46,6 +56,20 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block no request uses; False while requests still hold some."""
+        return bool(self.call_utility("reset_prefix_cache")["success"])
+
+    def kv_stats(self) -> dict[str, UtilityValue]:
+        """The engine's KV-cache numbers: free / cached / in-use blocks, queue lengths (as the
+        server's ``/v1/admin/kv``)."""
+        return self.call_utility("kv_stats")
+
+    def call_utility(self, method: str, **args: UtilityValue) -> dict[str, UtilityValue]:
+        """Run an engine utility method by name (``protocol.UTILITY_METHODS``); raises
+        ``UtilityCallError`` for an unknown method, one not supported yet, or one that failed."""
+        return complete_now(self.client.call_utility(method, args))
 
     def generate(
         self,
@@ -94,22 +118,29 @@ class LLM:
         request_id = str(next(self._ids))
         core_requests = self.input_processor.make_requests(request_id, token_ids, params)
         state = self.output_processor.add_request(request_id, text, token_ids, params)
-        self.engine.add_request(core_requests[0])
+        self._admit(request_id, core_requests)
         sample = state.samples[0]
         try:
             while sample.finish_reason is None:
-                step = self.engine.step()
+                step = complete_now(self.client.get_outputs())
                 _, to_abort = self.output_processor.process(step.outputs)
                 if to_abort:
-                    self.engine.abort_requests(to_abort)
+                    self.client.abort_requests(to_abort)
                 if len(sample.text) > sample.sent_text:
                     yield sample.text[sample.sent_text :]
                     sample.sent_text = len(sample.text)
         finally:
             if sample.finish_reason is None:  # the caller stopped iterating early
-                self.engine.abort_requests(self.output_processor.abort(request_id))
+                self.client.abort_requests(self.output_processor.abort(request_id))
 
     # ------------------------------------------------------------------ internals
+
+    def _admit(self, request_id: str, core_requests: list[EngineCoreRequest]) -> None:
+        """Admit one prompt's samples all or none; on a refusal forget it and raise ValueError."""
+        added = complete_now(self.client.add_request_group(core_requests))
+        if added.error is not None:
+            self.output_processor.abort(request_id)
+            raise ValueError(added.error)
 
     def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -140,21 +171,26 @@ class LLM:
             self.input_processor.check_prompt(token_ids, params)
 
         order: list[str] = []
-        for (text, token_ids), params in zip(encoded, params_list):
-            request_id = str(next(self._ids))
-            core_requests = self.input_processor.make_requests(request_id, token_ids, params)
-            self.output_processor.add_request(request_id, text, token_ids, params)
-            for core_request in core_requests:
-                self.engine.add_request(core_request)
-            order.append(request_id)
+        try:
+            for (text, token_ids), params in zip(encoded, params_list):
+                request_id = str(next(self._ids))
+                core_requests = self.input_processor.make_requests(request_id, token_ids, params)
+                self.output_processor.add_request(request_id, text, token_ids, params)
+                self._admit(request_id, core_requests)
+                order.append(request_id)
+        except ValueError:
+            # One call's prompts run together or not at all: take back those admitted before.
+            for request_id in order:
+                self.client.abort_requests(self.output_processor.abort(request_id))
+            raise
 
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                step = self.engine.step()
+            while self.client.has_unfinished_requests():
+                step = complete_now(self.client.get_outputs())
                 changed, to_abort = self.output_processor.process(step.outputs)
                 if to_abort:
-                    self.engine.abort_requests(to_abort)
+                    self.client.abort_requests(to_abort)
                 for state in changed:
                     if state.finished:
                         results[state.request_id] = state.to_output()

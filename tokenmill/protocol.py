@@ -119,14 +119,23 @@ class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
     request_ids: list[str]
 
 
+# A utility call's arguments and its result's values: plain scalars, so both cross as msgpack.
+UtilityValue = int | float | bool | str | None
+# The utility methods the engine core answers (``EngineCore.call_utility``), and those reserved for
+# features to come, which it refuses with "not supported yet" rather than with "unknown".
+UTILITY_METHODS = ("reset_prefix_cache", "kv_stats")
+RESERVED_UTILITY_METHODS = ("update_weights", "pause", "resume", "load_lora", "unload_lora")
+
+
 class UtilityCall(msgspec.Struct, tag="call", kw_only=True):
-    """Frontend → engine: run a named engine method (``reset_prefix_cache``, ``kv_stats``...).
+    """Frontend → engine: run a named engine method (``UTILITY_METHODS``) with keyword ``args``.
 
     The engine answers with a ``UtilityResult`` carrying the same ``call_id``.
     """
 
     call_id: int
     method: str
+    args: dict[str, UtilityValue] = {}
 
 
 class ShutdownEngine(msgspec.Struct, tag="shutdown", kw_only=True):
@@ -175,7 +184,7 @@ class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
     """Engine → frontend: the answer to ``UtilityCall`` ``call_id``; ``error`` set if it raised."""
 
     call_id: int
-    result: dict[str, int | float | bool | str | None] = {}
+    result: dict[str, UtilityValue] = {}
     error: str | None = None
 
 

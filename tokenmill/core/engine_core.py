@@ -18,7 +18,15 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import SchedulerOutput
 from tokenmill.executor.inprocess import InProcessExecutor
 from tokenmill.loader import ModelSource
-from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.protocol import (
+    RESERVED_UTILITY_METHODS,
+    UTILITY_METHODS,
+    AddResult,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityValue,
+)
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step_control import InterruptFlag, StepInterrupted, StepPaused
 from tokenmill.structured.backend import GrammarBackend
@@ -356,3 +364,66 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ what every client calls
+
+    def add_request_group(self, requests: list[EngineCoreRequest]) -> AddResult:
+        """Admit ``requests`` (the n siblings of one user request) all or none.
+
+        Contract: refused with ``overloaded=True`` and a ``retry_after`` estimate when the waiting
+        queue (``max_waiting``) or the first request's tier's queue has no room for all of them;
+        refused with the ``ValueError``'s message when one of them can never run, after taking back
+        the siblings already admitted (siblings must not run alone). A refused group leaves the
+        engine as it was, holding no blocks. Every client (in-process or the engine process) admits
+        through this one function.
+        """
+        ids = [request.request_id for request in requests]
+        tier = requests[0].service_tier if requests else None
+        refusal = self.scheduler.queue_refusal(tier, len(ids))
+        if refusal is not None:
+            return AddResult(
+                request_ids=ids, error=refusal, overloaded=True, retry_after=self.scheduler.retry_after()
+            )
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                added.append(request.request_id)
+        except ValueError as exc:
+            self.abort_requests(added)
+            return AddResult(request_ids=ids, error=str(exc))
+        return AddResult(request_ids=ids)
+
+    def call_utility(
+        self, method: str, args: dict[str, UtilityValue] | None = None
+    ) -> dict[str, UtilityValue]:
+        """Run the utility method ``method`` between steps and return its result (``UTILITY_METHODS``).
+
+        Raises ValueError for an unknown method, and for one reserved for a later feature
+        (``RESERVED_UTILITY_METHODS``) one saying it is not supported yet; whatever the method itself
+        raises propagates. The engine process turns either into a ``UtilityResult`` error.
+        """
+        if method == "reset_prefix_cache":
+            return {"success": self.reset_prefix_cache()}
+        if method == "kv_stats":
+            return self.kv_stats()
+        if method in RESERVED_UTILITY_METHODS:
+            raise ValueError(f"the engine does not support {method!r} yet")
+        known = ", ".join(UTILITY_METHODS)
+        raise ValueError(f"unknown engine method {method!r}; the engine answers {known}")
+
+    def kv_stats(self) -> dict[str, UtilityValue]:
+        """The KV cache's block counts (``KVCacheManager.stats``), the queues' lengths (also per
+        tier, as ``num_running_<tier>`` and ``num_waiting_<tier>``) and the step counters."""
+        scheduler = self.scheduler
+        return {
+            **self.kv_manager.stats(),
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "num_preemptions": scheduler.num_preemptions_total,
+            "num_interrupted_steps": self.num_interrupted_steps,
+            "num_paused_steps": self.num_paused_steps,
+            "num_replanned_steps": self.num_replanned_steps,
+            **{f"num_running_{tier}": n for tier, n in scheduler.running_by_tier().items()},
+            **{f"num_waiting_{tier}": n for tier, n in scheduler.waiting.waiting_by_tier().items()},
+        }

@@ -34,9 +34,6 @@ from tokenmill.core.fairness import VirtualTokenCounters
 from tokenmill.core.policy import WaitingPolicy
 from tokenmill.core.request import Request
 
-AUTO_TIER = "auto"
-DEFAULT_TIER = "default"
-
 # (tier rank, priority): smaller is better.
 ClassKey = tuple[int, int]
 
@@ -62,16 +59,10 @@ class TierTable:
         )
 
     def resolve(self, name: str | None) -> str:
-        """The tier a requested ``service_tier`` runs in (``auto`` and None mean ``default``).
-
-        Raises ValueError naming the offered tiers for an unknown name.
-        """
-        if name is None or name == AUTO_TIER:
-            return DEFAULT_TIER
-        if name not in self.tiers:
-            offered = ", ".join([AUTO_TIER, *self.names])
-            raise ValueError(f"service_tier {name!r} is not offered by this server; choose one of {offered}")
-        return name
+        """The tier a requested ``service_tier`` runs in: ``SchedulerConfig.resolve_tier``."""
+        if name is not None and name in self.tiers:  # the common case, without building the error's list
+            return name
+        return self.config.resolve_tier(name)
 
     def class_key(self, request: Request) -> ClassKey:
         return (self.rank[request.tier], request.priority)

@@ -1,7 +1,8 @@
-"""``AsyncLLM``: the server's asyncio client of an engine core running in its own process.
+"""``AsyncLLM``: the server's asyncio frontend of an engine core running in its own process.
 
-It owns the engine process and both ZMQ sockets, tokenizes and checks prompts (``InputProcessor``),
-and turns the engine's token ids back into text (``OutputProcessor``) in one output-dispatch task.
+It talks to the engine through a ``ZmqClient`` (``core/zmq_client.py``, which owns the engine
+process and its sockets), tokenizes and checks prompts (``InputProcessor``), and turns the engine's
+token ids back into text (``OutputProcessor``) in one output-dispatch task.
 Callers iterate ``generate(...)``; every item is the request's live ``RequestState``, whose
 ``SampleState.sent_*`` fields let a streaming caller compute what is new since its last chunk.
 
@@ -14,58 +15,30 @@ the engine, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import shutil
-import subprocess
-import threading
 import time
 from collections.abc import AsyncGenerator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgspec
-import zmq
-import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.client import EngineCoreClient, EngineDeadError
+from tokenmill.core.engine_proc import EngineProcessHandle
+from tokenmill.core.zmq_client import EngineLaunch
 from tokenmill.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.step_cuts import PrefixEstimate, StepCuts
 from tokenmill.loader import ModelSource, resolve_model
-from tokenmill.protocol import (
-    AbortRequests,
-    AddRequests,
-    AddResult,
-    EngineCoreOutputs,
-    EngineFault,
-    EngineMessage,
-    EngineReady,
-    EngineStartFailed,
-    FrontendMessage,
-    ShutdownEngine,
-    StepOutputs,
-    UtilityCall,
-    UtilityResult,
-)
+from tokenmill.protocol import EngineCoreOutputs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.engine_process import (
-    EngineProcessHandle,
-    make_socket_dir,
-    socket_addresses,
-    spawn_engine_process,
-    stop_engine_process,
-)
-from tokenmill.step_control import InterruptFlag
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineFaultError", "RequestRejectedError"]
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("tokenmill.requests")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone (or shutting down): no request can be served any more."""
 
 
 class EngineFaultError(RuntimeError):
@@ -132,7 +105,6 @@ class _Stream:
 
     state: RequestState
     core_ids: list[str]
-    accepted: asyncio.Future[None]
     changed: asyncio.Event
     arrival: float  # time.monotonic()
     service_tier: str = "default"
@@ -157,11 +129,10 @@ class AsyncLLM:
         config: EngineConfig,
         source: ModelSource,
         tokenizer: PreTrainedTokenizerBase,
-        handle: EngineProcessHandle,
-        sockets: tuple[zmq.Context, zmq.Socket, zmq.asyncio.Context, zmq.asyncio.Socket],
-        ready: EngineReady,
+        client: EngineCoreClient,
         log_requests: bool,
     ) -> None:
+        ready = client.info
         self.config = config
         self.source = source
         self.tokenizer = tokenizer
@@ -173,12 +144,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = EngineStats()
         self.listeners: list[StatsListener] = []
-        self._handle = handle
-        self._sync_context, self._input, self._async_context, self._output = sockets
-        # Raised after sending a request of a tier with a TTFT target, or one whose prompt needs a short
-        # prefill: the engine may cut the step in flight short for it (step_control.py). None when
-        # the engine made no flag.
-        self._interrupt = InterruptFlag.attach(handle.socket_dir)
+        self._client = client
+        # Which arrivals may cut the step in flight short (a tier with a TTFT target, a short
+        # prefill): step_control.py.
         short_prefill = config.scheduler.short_prefill_interrupt
         estimate = (
             PrefixEstimate(ready.block_size, ready.num_blocks)
@@ -186,18 +154,12 @@ class AsyncLLM:
             else None
         )
         self._step_cuts = StepCuts(config.scheduler.ttft_target_tiers(), short_prefill, estimate)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._streams: dict[str, _Stream] = {}
         self._by_core_id: dict[str, _Stream] = {}
-        self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._call_ids = itertools.count()
-        self._dead_reason: str | None = None
-        self._shutting_down = False
         self._closed = False
-        self._loop = asyncio.get_running_loop()
+        # Why this frontend failed its requests, when it did so on its own (its dispatch broke).
+        self._failed_reason: str | None = None
         self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name="tokenmill-output-dispatch")
-        threading.Thread(target=self._watch_process, name="tokenmill-engine-watch", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
 
@@ -219,30 +181,17 @@ class AsyncLLM:
         Raises RuntimeError with the engine's own message if it fails to start, exits early or
         takes longer than ``start_timeout`` seconds; the process is cleaned up in every case.
         """
-        socket_dir = spawned.socket_dir if spawned is not None else make_socket_dir()
-        input_address, output_address = socket_addresses(socket_dir)
-        async_context = zmq.asyncio.Context()
-        output = async_context.socket(zmq.PULL)
-        output.setsockopt(zmq.RCVHWM, 0)
-        output.bind(output_address)
-        sync_context = zmq.Context()
-        input_socket = sync_context.socket(zmq.PUSH)
-        # Unbounded queue: a send never blocks the event loop, even before the engine has bound.
-        input_socket.setsockopt(zmq.SNDHWM, 0)
-        input_socket.setsockopt(zmq.LINGER, 0)
-        input_socket.connect(input_address)
-        handle = spawned if spawned is not None else spawn_engine_process(config, socket_dir, log_level)
-        sockets = (sync_context, input_socket, async_context, output)
+        launch = EngineLaunch.begin(config, log_level=log_level, spawned=spawned)
         try:
             # The engine loads the model meanwhile: resolving the model (its config) and loading the
             # tokenizer here overlap with it.
             source = source or resolve_model(config.model.model)
             tokenizer = source.load_tokenizer()
-            ready = await _wait_ready(output, handle.process, start_timeout)
+            client = await launch.wait_ready(start_timeout)
         except BaseException:
-            stop_engine_process(handle.process)
-            _close_sockets(sockets, socket_dir)
+            launch.abandon()
             raise
+        ready = client.info
         logger.info(
             "engine process %d ready: max_model_len=%d, %d KV blocks of %d tokens",
             ready.pid,
@@ -250,18 +199,18 @@ class AsyncLLM:
             ready.num_blocks,
             ready.block_size,
         )
-        return cls(config, source, tokenizer, handle, sockets, ready, log_requests)
+        return cls(config, source, tokenizer, client, log_requests)
 
     # ------------------------------------------------------------------ requests
 
     @property
     def is_alive(self) -> bool:
         """True while the engine process runs and has not reported a fault."""
-        return self._dead_reason is None and self._handle.process.poll() is None
+        return self._failed_reason is None and self._client.is_alive
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead_reason
+        return self._client.dead_reason or self._failed_reason
 
     async def generate(
         self,
@@ -284,8 +233,8 @@ class AsyncLLM:
         a configured tier (resolve ``auto`` first); ``timeout`` seconds after arrival the engine ends
         the request with finish reason ``timeout``.
         """
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         core_requests = self.input_processor.make_requests(
             request_id,
             prompt_token_ids,
@@ -300,7 +249,6 @@ class AsyncLLM:
         stream = _Stream(
             state=state,
             core_ids=[r.request_id for r in core_requests],
-            accepted=self._loop.create_future(),
             changed=asyncio.Event(),
             arrival=time.monotonic(),
             service_tier=service_tier,
@@ -311,20 +259,30 @@ class AsyncLLM:
             self._by_core_id[core_id] = stream
         if self.log_requests:
             request_logger.info("request %s received: prompt=%r params=%s", request_id, prompt, params)
-        self._send(AddRequests(requests=core_requests))
-        if self._interrupt is not None and self._step_cuts.on_send(
+        cut_step = self._client.can_cut_steps and self._step_cuts.on_send(
             service_tier, prompt_token_ids, cache_salt
-        ):
-            self._interrupt.raise_()
+        )
         try:
-            await stream.accepted
+            try:
+                added = await self._client.add_request_group(core_requests, cut_step=cut_step)
+            except EngineDeadError as exc:
+                raise EngineFaultError(f"{exc} while this request was in flight") from None
+            if added.error is not None:
+                stream.rejected = True
+                if added.overloaded:
+                    self.stats.overloaded_by_tier[service_tier] = (
+                        self.stats.overloaded_by_tier.get(service_tier, 0) + 1
+                    )
+                raise RequestRejectedError(added.error, added.overloaded, added.retry_after)
+            self.stats.prompt_tokens += len(prompt_token_ids)
             while True:
                 stream.changed.clear()
                 seen_finished = state.finished
                 yield state
                 if seen_finished:
                     return
-                await stream.changed.wait()
+                if stream.error is None:  # else it came before the clear: do not wait for another
+                    await stream.changed.wait()
                 if stream.error is not None:
                     raise stream.error
         finally:
@@ -337,7 +295,7 @@ class AsyncLLM:
             return
         core_ids = self.output_processor.abort(request_id)
         if core_ids:
-            self._send(AbortRequests(request_ids=core_ids))
+            self._client.abort_requests(core_ids)
         stream.changed.set()
 
     def _release(self, stream: _Stream) -> None:
@@ -348,8 +306,8 @@ class AsyncLLM:
             self._by_core_id.pop(core_id, None)
         if not state.finished:
             core_ids = self.output_processor.abort(state.request_id)
-            if core_ids and not stream.rejected and self._dead_reason is None:
-                self._send(AbortRequests(request_ids=core_ids))
+            if core_ids and not stream.rejected and self.dead_reason is None:
+                self._client.abort_requests(core_ids)
         if stream.rejected:
             return
         if state.finished:
@@ -389,17 +347,11 @@ class AsyncLLM:
     # ------------------------------------------------------------------ utility calls
 
     async def call_utility(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Run an engine method by name between steps and return its result dict."""
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
-        call_id = next(self._call_ids)
-        future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        self._calls[call_id] = future
-        self._send(UtilityCall(call_id=call_id, method=method))
-        try:
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._calls.pop(call_id, None)
+        """Run an engine method by name between steps and return its result dict
+        (``EngineCoreClient.call_utility``; ``UtilityCallError`` when it fails)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        return await asyncio.wait_for(self._client.call_utility(method), timeout)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache; False while running requests still hold cached blocks."""
@@ -417,49 +369,15 @@ class AsyncLLM:
     async def _dispatch_loop(self) -> None:
         try:
             while True:
-                frame = await self._output.recv(copy=False)
-                message = self._decoder.decode(frame.buffer)
-                self._handle_message(message)
+                self._on_outputs(await self._client.get_outputs())
+        except EngineDeadError as exc:
+            self._fail_streams(str(exc))
         except asyncio.CancelledError:
             raise
         except Exception:
             # A bug here would leave every request waiting forever; fail loudly instead.
             logger.exception("output dispatch failed")
-            self._mark_dead("the server lost its connection to the engine (output dispatch failed)")
-
-    def _handle_message(self, message: EngineMessage) -> None:
-        if isinstance(message, StepOutputs):
-            self._on_outputs(message.outputs)
-        elif isinstance(message, AddResult):
-            self._on_add_result(message)
-        elif isinstance(message, UtilityResult):
-            future = self._calls.pop(message.call_id, None)
-            if future is not None and not future.done():
-                if message.error is not None:
-                    future.set_exception(RuntimeError(message.error))
-                else:
-                    future.set_result(dict(message.result))
-        elif isinstance(message, EngineFault):
-            logger.error("engine fault: %s", message.error)
-            self._mark_dead(f"the engine failed: {message.error}")
-        else:
-            logger.warning("ignoring unexpected engine message %s", type(message).__name__)
-
-    def _on_add_result(self, result: AddResult) -> None:
-        stream = self._by_core_id.get(result.request_ids[0]) if result.request_ids else None
-        if stream is None or stream.accepted.done():
-            return  # the caller went away before the answer came
-        if result.error is not None:
-            stream.rejected = True
-            if result.overloaded:
-                tier = stream.service_tier
-                self.stats.overloaded_by_tier[tier] = self.stats.overloaded_by_tier.get(tier, 0) + 1
-            stream.accepted.set_exception(
-                RequestRejectedError(result.error, result.overloaded, result.retry_after)
-            )
-            return
-        self.stats.prompt_tokens += len(stream.state.prompt_token_ids)
-        stream.accepted.set_result(None)
+            self._fail_streams("the server lost its connection to the engine (output dispatch failed)")
 
     def _on_outputs(self, batch: EngineCoreOutputs) -> None:
         self.stats.num_running = batch.num_running
@@ -486,7 +404,7 @@ class AsyncLLM:
         already_cached = {rid: s.state.num_cached_tokens for rid, s in touched.items()}
         _, to_abort = self.output_processor.process(batch.outputs)
         if to_abort:  # stop strings matched on this side; the engine must stop those samples
-            self._send(AbortRequests(request_ids=to_abort))
+            self._client.abort_requests(to_abort)
         for request_id, stream in touched.items():
             self.stats.cached_prompt_tokens += stream.state.num_cached_tokens - already_cached[request_id]
             stream.changed.set()
@@ -507,89 +425,24 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine death and shutdown
 
-    def _watch_process(self) -> None:
-        code = self._handle.process.wait()
-        with suppress(RuntimeError):  # the loop is already closed: nobody is left to tell
-            self._loop.call_soon_threadsafe(self._on_process_exit, code)
-
-    def _on_process_exit(self, code: int) -> None:
-        if not self._shutting_down:
-            logger.error("the engine process %d exited with code %d", self.engine_pid, code)
-        self._mark_dead(f"the engine process exited (code {code})")
-
-    def _mark_dead(self, reason: str) -> None:
-        """Fail every waiting caller at once; later calls raise ``EngineDeadError``."""
-        if self._dead_reason is None:
-            self._dead_reason = reason
+    def _fail_streams(self, reason: str) -> None:
+        """Fail every request in flight at once (the client fails the calls still waiting for an
+        answer; later calls raise ``EngineDeadError``)."""
+        if self._failed_reason is None:
+            self._failed_reason = reason
         message = f"{reason} while this request was in flight"
         for stream in list(self._streams.values()):
-            if not stream.accepted.done():
-                stream.accepted.set_exception(EngineFaultError(message))
-            elif stream.error is None and not stream.state.finished:
+            if stream.error is None and not stream.state.finished:
                 stream.error = EngineFaultError(message)
             stream.changed.set()
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(reason))
-
-    def _send(self, message: FrontendMessage) -> None:
-        try:
-            self._input.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            # Only possible when the socket is closed (shutdown); the engine is going away anyway.
-            logger.warning("could not send %s to the engine: %s", type(message).__name__, exc)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine process (politely, then by force) and release sockets; idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._shutting_down = True
-        process = self._handle.process
-        if process.poll() is None:
-            self._send(ShutdownEngine())
-            try:
-                await asyncio.to_thread(process.wait, timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("the engine process did not stop in %.0f s; terminating it", timeout)
-                await asyncio.to_thread(stop_engine_process, process)
-        self._mark_dead("the server is shutting down")
+        await self._client.shutdown(timeout)
+        self._fail_streams(self._client.dead_reason or "the server is shutting down")
         self._dispatch_task.cancel()
         with suppress(asyncio.CancelledError):
             await self._dispatch_task
-        if self._interrupt is not None:
-            self._interrupt.close()
-        _close_sockets(
-            (self._sync_context, self._input, self._async_context, self._output), self._handle.socket_dir
-        )
-
-
-async def _wait_ready(
-    output: zmq.asyncio.Socket, process: subprocess.Popen[bytes], timeout: float
-) -> EngineReady:
-    decoder = msgspec.msgpack.Decoder(EngineMessage)
-    deadline = time.monotonic() + timeout
-    while True:
-        if await output.poll(200):
-            message = decoder.decode(await output.recv())
-            if isinstance(message, EngineReady):
-                return message
-            if isinstance(message, EngineStartFailed):
-                raise RuntimeError(f"the engine failed to start: {message.error}")
-            raise RuntimeError(f"unexpected first message from the engine: {type(message).__name__}")
-        code = process.poll()
-        if code is not None:
-            raise RuntimeError(f"the engine process exited with code {code} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the engine was not ready after {timeout:.0f} s")
-
-
-def _close_sockets(
-    sockets: tuple[zmq.Context, zmq.Socket, zmq.asyncio.Context, zmq.asyncio.Socket], socket_dir: str
-) -> None:
-    sync_context, input_socket, async_context, output = sockets
-    input_socket.close(linger=0)
-    output.close(linger=0)
-    sync_context.term()
-    async_context.term()
-    shutil.rmtree(socket_dir, ignore_errors=True)

@@ -16,10 +16,10 @@ from starlette.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill.config import EngineConfig
+from tokenmill.core.client import EngineProcessHandle, freeze_startup_objects
 from tokenmill.frontend.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.loader import ModelSource
 from tokenmill.server.context import ServerContext, get_context
-from tokenmill.server.engine_process import EngineProcessHandle, freeze_startup_objects
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware

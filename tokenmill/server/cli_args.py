@@ -18,10 +18,10 @@ import sys
 import uvicorn
 
 from tokenmill.config import EngineConfig, build_engine_config
+from tokenmill.core.client import make_socket_dir, spawn_engine_process, stop_engine_process
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS
-from tokenmill.server.engine_process import make_socket_dir, spawn_engine_process, stop_engine_process
 from tokenmill.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from tokenmill.core.tiers import TierTable
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.output_processor import RequestState, SampleState
 from tokenmill.outputs import PositionLogprobDict
@@ -26,12 +25,11 @@ class ServerContext:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.tiers = TierTable(engine.config.scheduler)
 
     def resolve_service_tier(self, requested: str | None) -> str:
         """The tier a request runs in (``auto`` or none: ``default``); 400 for a tier not offered."""
         try:
-            return self.tiers.resolve(requested)
+            return self.engine.config.scheduler.resolve_tier(requested)
         except ValueError as exc:
             raise bad_request(str(exc), param="service_tier") from None
 

@@ -381,6 +381,23 @@ class KVCacheManager:
             self.radix.cached_blocks if self.radix is not None else 0
         )
 
+    def stats(self) -> dict[str, int | float | bool]:
+        """Live block counts for operators (``kv_stats``): the pool's size, free blocks, blocks only
+        the prefix cache keeps, blocks some request holds, and the usage gauge. A snapshot: read it
+        between steps; every key is present whether or not prefix caching is on."""
+        cached = self.radix.cached_blocks if self.radix is not None else 0
+        evictable = self.radix.evictable_blocks if self.radix is not None else 0
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "free_blocks": self.pool.num_free,
+            "cached_blocks": cached,
+            # Blocks some request holds: used blocks minus those only the prefix cache keeps.
+            "blocks_in_use": self.pool.num_used - evictable,
+            "usage": self.usage(),
+            "all_free_or_cached": self.all_free_or_cached(),
+        }
+
 
 def _common_full_blocks(a: list[int], b: list[int], block_size: int, limit_blocks: int) -> int:
     """How many leading ``block_size`` blocks ``a`` and ``b`` have in common, at most ``limit_blocks``."""

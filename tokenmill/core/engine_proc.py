@@ -1,6 +1,7 @@
-"""The engine core in its own OS process, talking to the server over two ZMQ ipc:// sockets.
+"""The engine core in its own OS process, talking to its client over two ZMQ ipc:// sockets.
 
-The server process starts this module with ``subprocess.Popen`` (never ``multiprocessing``, which
+Run as ``python -m tokenmill.core.engine_proc``; ``core/zmq_client.py`` is the client's end. The
+server process starts this module with ``subprocess.Popen`` (never ``multiprocessing``, which
 pickles) and hands it the ``EngineConfig`` as JSON on the command line. The sockets live in a private
 temp folder. Each receiver binds and each sender connects: a connecting PUSH socket queues messages
 until its peer is there, so neither side can block or lose a message while the other is starting.
@@ -9,7 +10,9 @@ until its peer is there, so neither side can block or lose a message while the o
 - output (PUSH here): ``EngineMessage`` frames — ``EngineReady`` once, then step outputs and answers.
 
 Every frame is one msgpack-encoded ``tokenmill.protocol`` struct. The loop drains input without
-blocking while there is work and blocks on input when idle. A request the engine rejects gets an
+blocking while there is work and blocks on input when idle. Admission and utility calls are the
+engine core's own (``EngineCore.add_request_group``, ``EngineCore.call_utility``), the same the
+in-process client uses; this module only moves messages. A request the engine rejects gets an
 ``AddResult`` with ``error`` set; it never stops the loop. A step that raises is an engine fault: the
 process reports ``EngineFault`` and exits, since its state can no longer be trusted. The process also
 exits on SIGTERM, on ``ShutdownEngine`` and when its parent process is gone.
@@ -38,7 +41,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.protocol import (
     AbortRequests,
     AddRequests,
-    AddResult,
     EngineCoreOutputs,
     EngineFault,
     EngineMessage,
@@ -88,7 +90,7 @@ def make_socket_dir() -> str:
 def spawn_engine_process(
     config: EngineConfig, socket_dir: str, log_level: str = "INFO"
 ) -> EngineProcessHandle:
-    """Start ``python -m tokenmill.server.engine_process`` for ``config``.
+    """Start ``python -m tokenmill.core.engine_proc`` for ``config``.
 
     The caller binds the output address and connects to the input address (``socket_addresses``),
     then waits for ``EngineReady`` or ``EngineStartFailed`` on the output socket. The child inherits stdout and
@@ -98,7 +100,7 @@ def spawn_engine_process(
     command = [
         sys.executable,
         "-m",
-        "tokenmill.server.engine_process",
+        "tokenmill.core.engine_proc",
         "--config-json",
         msgspec.json.encode(config).decode(),
         "--input-address",
@@ -128,10 +130,11 @@ def stop_engine_process(process: subprocess.Popen[bytes]) -> None:
 class EngineLoop:
     """Runs an ``EngineCore`` against the two sockets until shutdown, a fault or the parent's death.
 
-    Contract: every ``AddRequests`` gets one ``AddResult`` before any output of those requests; a
-    request over the waiting-queue bound (``scheduler.max_waiting`` or its tier's ``max_waiting``) is
-    refused with ``overloaded=True`` and a ``retry_after`` estimate; outputs are sent after every step; gauges are re-sent when an idle engine's
-    numbers change (after aborts), so the server's metrics never go stale.
+    Contract: every ``AddRequests`` gets one ``AddResult`` (``EngineCore.add_request_group``: all or
+    none, ``overloaded`` with ``retry_after`` when a waiting queue is full) before any output of
+    those requests; every ``UtilityCall`` gets one ``UtilityResult``; outputs are sent after every
+    step; gauges are re-sent when an idle engine's numbers change (after aborts), so the server's
+    metrics never go stale.
     """
 
     def __init__(
@@ -198,7 +201,7 @@ class EngineLoop:
 
     def _handle(self, message: FrontendMessage) -> None:
         if isinstance(message, AddRequests):
-            self._add(message)
+            self._send(self.core.add_request_group(message.requests))
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
         elif isinstance(message, UtilityCall):
@@ -207,60 +210,13 @@ class EngineLoop:
             logger.info("engine shutting down")
             self._stopping = True
 
-    def _add(self, message: AddRequests) -> None:
-        ids = [r.request_id for r in message.requests]
-        scheduler = self.core.scheduler
-        tier = message.requests[0].service_tier if message.requests else None
-        refusal = scheduler.queue_refusal(tier, len(ids))
-        if refusal is not None:
-            retry_after = scheduler.retry_after()
-            self._send(AddResult(request_ids=ids, error=refusal, overloaded=True, retry_after=retry_after))
-            return
-        added: list[str] = []
-        try:
-            for request in message.requests:
-                self.core.add_request(request)
-                added.append(request.request_id)
-        except ValueError as exc:
-            self.core.abort_requests(added)  # all or none: siblings must not run alone
-            self._send(AddResult(request_ids=ids, error=str(exc)))
-            return
-        self._send(AddResult(request_ids=ids))
-
     def _call(self, call: UtilityCall) -> UtilityResult:
         try:
-            if call.method == "reset_prefix_cache":
-                return UtilityResult(call_id=call.call_id, result={"success": self.core.reset_prefix_cache()})
-            if call.method == "kv_stats":
-                return UtilityResult(call_id=call.call_id, result=self._kv_stats())
+            return UtilityResult(call_id=call.call_id, result=self.core.call_utility(call.method, call.args))
         except Exception as exc:
-            logger.exception("utility call %s failed", call.method)
+            # A failed call is the caller's answer, not a fault: the engine's state is untouched.
+            logger.warning("utility call %s failed: %s", call.method, exc)
             return UtilityResult(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
-        return UtilityResult(call_id=call.call_id, error=f"unknown engine method {call.method!r}")
-
-    def _kv_stats(self) -> dict[str, int | float | bool | str | None]:
-        kv = self.core.kv_manager
-        radix = kv.radix
-        cached = radix.cached_blocks if radix is not None else 0
-        evictable = radix.evictable_blocks if radix is not None else 0
-        return {
-            "num_blocks": kv.num_blocks,
-            "block_size": kv.block_size,
-            "free_blocks": kv.pool.num_free,
-            "cached_blocks": cached,
-            # Blocks some request holds: used blocks minus those only the prefix cache keeps.
-            "blocks_in_use": kv.pool.num_used - evictable,
-            "usage": kv.usage(),
-            "all_free_or_cached": kv.all_free_or_cached(),
-            "num_running": self.core.scheduler.num_running,
-            "num_waiting": self.core.scheduler.num_waiting,
-            "num_preemptions": self.core.scheduler.num_preemptions_total,
-            "num_interrupted_steps": self.core.num_interrupted_steps,
-            "num_paused_steps": self.core.num_paused_steps,
-            "num_replanned_steps": self.core.num_replanned_steps,
-            **{f"num_running_{tier}": n for tier, n in self.core.scheduler.running_by_tier().items()},
-            **{f"num_waiting_{tier}": n for tier, n in self.core.scheduler.waiting.waiting_by_tier().items()},
-        }
 
     # ------------------------------------------------------------------ output
 

@@ -34,20 +34,6 @@ LEAF_MODULES = frozenset({"tokenmill.core.step_io"})
 MAX_CORE_FILE_LINES = 600
 MAX_CORE_FUNCTION_LINES = 150
 
-# Violations in areas other helpers are changing in parallel (issue 35), as exact
-# (importer module, imported module) pairs. They are left out of every rule until the merge that
-# fixes them; the lead empties this set then. A pair listed here that no longer occurs fails
-# ``test_pending_violations_still_occur``, so the set cannot go stale.
-PENDING_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # h2 (engine client, engine process): the server reaches the core only through core.client,
-        # and the frontend stops importing the server (frontend -> server -> frontend circle).
-        ("tokenmill.server.context", "tokenmill.core.tiers"),
-        ("tokenmill.server.engine_process", "tokenmill.core.engine_core"),
-        ("tokenmill.frontend.async_llm", "tokenmill.server.engine_process"),
-    }
-)
-
 Imports = dict[str, dict[str, int]]  # importer module -> {imported module: first line}
 
 
@@ -204,7 +190,7 @@ def test_collector_reads_the_real_package(imports: Imports) -> None:
 
 
 def test_no_import_circle_among_subpackages(imports: Imports) -> None:
-    edges = import_edges(imports, PENDING_VIOLATIONS)
+    edges = import_edges(imports, ())
     cycle = find_cycle(edges)
     if cycle is not None:
         steps = [f"  {edges[(a, b)]}" for a, b in zip(cycle, cycle[1:])]
@@ -213,39 +199,29 @@ def test_no_import_circle_among_subpackages(imports: Imports) -> None:
 
 def test_model_side_imports_only_plan_types_of_the_core(imports: Imports) -> None:
     importers = [f"tokenmill.{p}" for p in ("layers", "models", "worker", "sample")]
-    found = forbidden_imports(imports, importers, CORE, allowed=[STEP_IO], pending=PENDING_VIOLATIONS)
+    found = forbidden_imports(imports, importers, CORE, allowed=[STEP_IO])
     assert not found, "the model side may import only core.step_io of the core:\n" + "\n".join(found)
 
 
 def test_server_imports_only_the_engine_client_of_the_core(imports: Imports) -> None:
     allowed = ["tokenmill.core.client"]
-    found = forbidden_imports(
-        imports, ["tokenmill.server"], CORE, allowed=allowed, pending=PENDING_VIOLATIONS
-    )
+    found = forbidden_imports(imports, ["tokenmill.server"], CORE, allowed=allowed)
     assert not found, "the server may import only core.client of the core:\n" + "\n".join(found)
 
 
 def test_config_imports_nothing_of_the_core(imports: Imports) -> None:
-    found = forbidden_imports(imports, ["tokenmill.config"], CORE, pending=PENDING_VIOLATIONS)
+    found = forbidden_imports(imports, ["tokenmill.config"], CORE)
     assert not found, "config.py may not import the core:\n" + "\n".join(found)
 
 
 def test_plan_types_are_a_leaf_of_the_core(imports: Imports) -> None:
-    found = forbidden_imports(imports, [STEP_IO], CORE, allowed=[STEP_IO], pending=PENDING_VIOLATIONS)
+    found = forbidden_imports(imports, [STEP_IO], CORE, allowed=[STEP_IO])
     assert not found, "core/step_io.py may not import the rest of the core:\n" + "\n".join(found)
 
 
 def test_core_files_and_functions_are_small() -> None:
     found = oversized(PACKAGE_DIR / "core", MAX_CORE_FILE_LINES, MAX_CORE_FUNCTION_LINES)
     assert not found, "split these by feature:\n" + "\n".join(found)
-
-
-def test_pending_violations_still_occur(imports: Imports) -> None:
-    gone = sorted(pair for pair in PENDING_VIOLATIONS if pair[1] not in imports.get(pair[0], {}))
-    assert not gone, f"fixed, so remove them from PENDING_VIOLATIONS: {gone}"
-
-
-# ----------------------------------------------------------------- the checkers, on a synthetic package
 
 
 def write_package(root: Path, files: dict[str, str]) -> Path:

@@ -13,7 +13,7 @@ after sending such a request; the model checks it between decoder layers and sto
 - **Paused** (plans the scheduler marks ``pausable``, for short prefills: any step but one that
   finishes a short prefill itself or computes a first token a TTFT target protects,
   ``Scheduler.may_pause``). The executor keeps the step's batch and the hidden states and residual
-  stream going into the next layer (``StepPaused``); the engine core reads its input, runs a pass
+  stream going into the next layer (and returns ``StepStatus.PAUSED``); the engine core reads its input, runs a pass
   of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
   preemption, no running request; under the ``ttft`` admission as many as keep their mean time to
   first token least, and then another pass for the rest, up to ``MAX_ARRIVAL_PASSES_PER_PAUSE`` in a
@@ -54,22 +54,15 @@ class StepInterrupted(Exception):
         self.progress = progress
 
 
-class StepPaused(Exception):
-    """The executor suspended a pausable step between layers. ``suspended`` is what it needs to go on
-    (opaque to the core): hand it to ``resume`` once the arrival's own pass has run."""
-
-    def __init__(self, suspended: object) -> None:
-        super().__init__("the step was paused between layers for an arrival")
-        self.suspended = suspended
-
-
 class InterruptFlag:
     """A shared one-byte flag in ``<folder>/interrupt``. ``create`` makes the file (the engine process);
     ``attach`` maps an existing one (the server). ``buffer`` is the writable mapping (a tensor view of
-    it lets C++ kernels poll the same byte)."""
+    it lets C++ kernels poll the same byte). ``folder`` is where the file is, so that another process
+    (a worker: ``executor/multiproc.py``) can ``attach`` the same flag."""
 
-    def __init__(self, buffer: mmap.mmap) -> None:
+    def __init__(self, buffer: mmap.mmap, folder: str | None = None) -> None:
         self.buffer = buffer
+        self.folder = folder
 
     @classmethod
     def create(cls, folder: str) -> InterruptFlag:
@@ -77,7 +70,7 @@ class InterruptFlag:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, b"\0")
-            return cls(mmap.mmap(fd, 1))
+            return cls(mmap.mmap(fd, 1), folder)
         finally:
             os.close(fd)
 
@@ -91,7 +84,7 @@ class InterruptFlag:
         except FileNotFoundError:
             return None
         try:
-            return cls(mmap.mmap(fd, 1))
+            return cls(mmap.mmap(fd, 1), folder)
         finally:
             os.close(fd)
 

@@ -309,9 +309,11 @@ class StepDone(msgspec.Struct, tag="done", kw_only=True):
 
 
 class WorkerCallResult(msgspec.Struct, tag="result", kw_only=True):
-    """Worker → executor: what a ``WorkerCall`` (or ``DiscardPausedStep``) returned."""
+    """Worker → executor: what a ``WorkerCall`` (or ``DiscardPausedStep``) returned, or the error it
+    raised (a failed call leaves the worker serving: it changed no step state)."""
 
     result: object = None
+    error: str | None = None
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):

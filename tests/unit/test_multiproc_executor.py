@@ -6,6 +6,7 @@ in the worker; a worker that fails to start or dies is a clear error, never a ha
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 
@@ -16,6 +17,7 @@ from tests.conftest import TinyModel
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import build_engine_config
 from tokenmill.core.engine_core import EngineCore
+from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.executor.multiproc import MultiProcessExecutor, WorkerProcessError
 from tokenmill.loader import resolve_model
 from tokenmill.step_control import InterruptFlag
@@ -58,8 +60,11 @@ def test_the_tiny_llama_through_the_worker_process_equals_the_in_process_executo
         assert expected[0] == [model.greedy(shared + [3, 4, 5], 6)]
         assert mp.engine.kv_manager.prefix_hit_tokens > 0
         assert executor.collective_rpc("prefault_while_idle") in ([True], [False])
-        with pytest.raises(WorkerProcessError, match="no public method"):
+        with pytest.raises(RuntimeError, match="no public method") as failed:
             executor.collective_rpc("_build_batch")
+        assert not isinstance(failed.value, WorkerProcessError)  # the worker serves on
+        assert executor.collective_rpc("prefault_while_idle") in ([True], [False])
+        assert mp.engine.kv_manager.all_free_or_cached()
     finally:
         executor.shutdown()
     assert executor._process.poll() is not None  # the worker exited
@@ -115,3 +120,13 @@ def test_a_worker_that_fails_to_start_or_dies_is_a_clear_error(model: TinyModel)
     with pytest.raises(WorkerProcessError, match="exited"):
         core.step()  # stays failed
     executor.shutdown()
+
+
+def test_the_executor_is_chosen_by_config_field_and_cli_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config("m", **engine_kwargs(parser.parse_args([]))).executor_backend == "inprocess"
+    args = parser.parse_args(["--executor-backend", "mp"])
+    assert build_engine_config("m", **engine_kwargs(args)).executor_backend == "mp"
+    with pytest.raises(ValueError, match="executor_backend must be one of"):
+        build_engine_config("m", executor_backend="ray").validate()

@@ -49,7 +49,7 @@ _Reply = TypeVar("_Reply", WorkerReady, StepDone, WorkerCallResult)
 # How often a wait for the worker checks that it is still alive. Replies arrive at once; this only
 # bounds how late a death is noticed.
 LIVENESS_POLL_MS = 200
-# How long shutdown waits for the worker to exit before it is killed.
+# How long shutdown waits for the worker to exit on SIGTERM before it is killed.
 EXIT_WAIT_S = 5.0
 
 
@@ -144,14 +144,19 @@ class MultiProcessExecutor:
         self._receive("attaching the interrupt flag", WorkerCallResult)
 
     def collective_rpc(self, method: str, args: list[object] | None = None) -> list[object]:
+        """A call that raises in the worker raises ``RuntimeError`` here; the worker goes on serving."""
         self._send(WorkerCall(method=method, args=list(args or [])))
-        return [self._receive(f"calling {method}", WorkerCallResult).result]
+        answer = self._receive(f"calling {method}", WorkerCallResult)
+        if answer.error is not None:
+            raise RuntimeError(f"worker call {method} failed: {answer.error}")
+        return [answer.result]
 
     def shutdown(self) -> None:
         if self._finalizer.alive and self._process.poll() is None and self._failure is None:
             # A send that fails changes nothing: the process is stopped below either way.
             with contextlib.suppress(zmq.ZMQError):
                 self._to_worker.send(self._encode(ShutdownWorker()), zmq.NOBLOCK)
+        self._failure = self._failure or "the executor was shut down"
         self._finalizer()
 
     # ------------------------------------------------------------------ the wire
@@ -185,10 +190,9 @@ class MultiProcessExecutor:
 
 
 def _stop_worker(process: subprocess.Popen[bytes], context: zmq.Context, socket_dir: str) -> None:
-    """Wait for the worker to exit (it was asked to), SIGTERM, then SIGKILL; close the sockets."""
-    try:
-        process.wait(EXIT_WAIT_S if process.poll() is None else 0)
-    except subprocess.TimeoutExpired:
+    """SIGTERM (the worker exits cleanly on it, or has already on ``ShutdownWorker``), then SIGKILL if
+    it lingers; always reaps it, closes the sockets and removes their folder."""
+    if process.poll() is None:
         process.terminate()
         try:
             process.wait(EXIT_WAIT_S)

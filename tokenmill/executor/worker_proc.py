@@ -113,7 +113,6 @@ def serve(
 ) -> None:
     """Answer requests until ``ShutdownWorker`` or the parent's death; raises ``_RequestFailed``
     after reporting a request that raised."""
-    from tokenmill.executor.inprocess import call_runner_method
     from tokenmill.executor.plan_delta import output_to_wire
     from tokenmill.step_control import InterruptFlag
 
@@ -140,13 +139,23 @@ def serve(
                 runner.set_interrupt(flag)
                 send(WorkerCallResult())
             elif isinstance(message, WorkerCall):
-                send(WorkerCallResult(result=call_runner_method(runner, message.method, message.args)))
+                send(_call(runner, message))
             elif isinstance(message, ShutdownWorker):
                 return
         except Exception as exc:
             logger.error("worker request %s failed:\n%s", type(message).__name__, traceback.format_exc())
             send(WorkerFailed(error=f"{type(exc).__name__}: {exc}"))
             raise _RequestFailed from exc
+
+
+def _call(runner: ModelRunner, call: WorkerCall) -> WorkerCallResult:
+    """``call`` on the runner; what it raised is answered, not fatal (a bad name, a bad argument)."""
+    from tokenmill.executor.inprocess import call_runner_method
+
+    try:
+        return WorkerCallResult(result=call_runner_method(runner, call.method, call.args))
+    except Exception as exc:
+        return WorkerCallResult(error=f"{type(exc).__name__}: {exc}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -154,8 +154,9 @@ class MultiProcessExecutor:
     def shutdown(self) -> None:
         if self._finalizer.alive and self._process.poll() is None and self._failure is None:
             # A send that fails changes nothing: the process is stopped below either way.
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
                 self._to_worker.send(self._encode(ShutdownWorker()), zmq.NOBLOCK)
+                self._process.wait(EXIT_WAIT_S)  # a clean exit first; SIGTERM below otherwise
         self._failure = self._failure or "the executor was shut down"
         self._finalizer()
 

@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_MS = 1000
 
 
-class _Terminated(Exception):
-    pass
+class _Terminated(BaseException):
+    """SIGTERM: leave at once (a BaseException, so no request handler takes it for a failure)."""
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -33,6 +33,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # What a request without a service tier (or with OpenAI's ``auto``) runs in.
 AUTO_TIER = "auto"
 DEFAULT_TIER = "default"
+EXECUTOR_BACKENDS = ("inprocess", "mp")
 
 
 def attention_backend_choice() -> str:
@@ -291,6 +292,9 @@ class EngineConfig:
     num_threads: int | None = None
     jump_forward: bool = True
     engine_niceness: int = 0
+    # What runs the model: "inprocess" (this process) or "mp" (one worker child process, plans sent
+    # as deltas over ZMQ: executor/multiproc.py).
+    executor_backend: str = "inprocess"
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -311,6 +315,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.scheduler.max_num_seqs}")
         if not 0 <= self.engine_niceness <= 19:
             raise ValueError(f"engine_niceness must be within 0..19, got {self.engine_niceness}")
+        if self.executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}"
+            )
         self.scheduler.validate()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:

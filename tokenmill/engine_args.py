@@ -11,6 +11,7 @@ from typing import Any
 from tokenmill.config import (
     ADMISSIONS,
     DTYPE_CHOICES,
+    EXECUTOR_BACKENDS,
     MODEL_IMPLS,
     CacheConfig,
     ModelConfig,
@@ -148,6 +149,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="lower the engine process's CPU priority by this much (nice 0-19), so the server's short "
         f"bursts of work (HTTP, tokenizing, streaming) never wait behind its passes (default: "
         f"{CPU_ENGINE_NICENESS} on CPUs, 0 elsewhere)",
+    )
+    model.add_argument(
+        "--executor-backend",
+        default="inprocess",
+        choices=list(EXECUTOR_BACKENDS),
+        help="inprocess runs the model in the engine's process; mp in one worker child process that "
+        "gets each step's plan as a delta (the base of tensor parallelism)",
     )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -321,4 +329,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "fair_input_weight": args.fair_input_weight,
         "fair_output_weight": args.fair_output_weight,
         "jump_forward": not args.no_jump_forward,
+        "executor_backend": args.executor_backend,
     }

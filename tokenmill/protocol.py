@@ -195,3 +195,140 @@ class EngineFault(msgspec.Struct, tag="fault", kw_only=True):
 
 
 EngineMessage = EngineReady | EngineStartFailed | AddResult | StepOutputs | UtilityResult | EngineFault
+
+
+# ---------------------------------------------------------------------------------------------------
+# The worker wire format: between the engine core's executor and its worker processes
+# (executor/multiproc.py, executor/worker_proc.py). A request's data is sent once (``NewRequestData``,
+# again after preemption, which restarts it with a shorter table), then each step only what
+# changed (``CachedRequestData``); the worker keeps its own per-request state and rebuilds the step's
+# ``ScheduledRequest``s (executor/plan_delta.py). Each direction is a tagged union.
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """Everything a worker keeps about one request, sent the first time it is scheduled. ``block_ids``
+    is the whole block table (entries -1 were released out of the sliding window);
+    ``output_token_ids`` are the tokens generated so far (a preempted request has some)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int | None
+    block_ids: list[int]
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
+    """One request's share of a step, as a change to what the worker keeps: output tokens appended
+    since it was last sent (several after jump-forward), table entries that changed as
+    ``(index, block id)`` (-1: released out of the sliding window; a sibling's copy of a block
+    swapped for the shared one), and blocks appended to the table. The
+    step computes the tokens at ``start_position`` .. ``start_position + num_tokens - 1`` of prompt +
+    outputs; the other fields are as in ``ScheduledRequest``."""
+
+    request_id: str
+    new_output_token_ids: list[int]
+    changed_blocks: list[tuple[int, int]]
+    new_block_ids: list[int]
+    start_position: int
+    num_tokens: int
+    sample: bool
+    forbidden_token_ids: list[int]
+    prompt_logprobs_range: tuple[int, int] | None
+    skipped_draws: int
+
+
+class GrammarBitmaskData(msgspec.Struct, kw_only=True):
+    """A step's grammar bitmask: ``rows`` maps request ids to rows of an int32 tensor of ``shape``
+    whose bytes (native order, C-contiguous) are ``data``."""
+
+    rows: dict[str, int]
+    shape: list[int]
+    data: bytes
+
+
+class StepPlanData(msgspec.Struct, kw_only=True):
+    """A ``SchedulerOutput`` as a delta: ``new_requests`` first (state to keep), then ``scheduled``
+    in the plan's order; ``finished_request_ids`` are dropped before either is applied."""
+
+    new_requests: list[NewRequestData]
+    scheduled: list[CachedRequestData]
+    finished_request_ids: list[str]
+    num_preempted: int = 0
+    grammar_bitmask: GrammarBitmaskData | None = None
+    first_token_exclusive: bool = False
+    interruptible: bool = False
+    pausable: bool = False
+    shared_sources: list[str] = []
+
+
+class ExecuteStep(msgspec.Struct, tag="execute", kw_only=True):
+    """Executor → worker: run this step; answered by ``StepDone``."""
+
+    plan: StepPlanData
+
+
+class ResumeStep(msgspec.Struct, tag="resume", kw_only=True):
+    """Executor → worker: go on with the paused step (``may_pause``: it may pause again); ``StepDone``."""
+
+    may_pause: bool
+
+
+class DiscardPausedStep(msgspec.Struct, tag="discard", kw_only=True):
+    """Executor → worker: drop the paused step; answered by ``WorkerCallResult``."""
+
+
+class SetInterruptFlag(msgspec.Struct, tag="interrupt", kw_only=True):
+    """Executor → worker: map the interrupt flag file in ``folder`` (None: stop checking one)."""
+
+    folder: str | None
+
+
+class WorkerCall(msgspec.Struct, tag="call", kw_only=True):
+    """Executor → worker: ``ModelRunner.<method>(*args)``; answered by ``WorkerCallResult``."""
+
+    method: str
+    args: list[object] = []
+
+
+class ShutdownWorker(msgspec.Struct, tag="shutdown", kw_only=True):
+    """Executor → worker: exit now (no answer)."""
+
+
+WorkerRequest = ExecuteStep | ResumeStep | DiscardPausedStep | SetInterruptFlag | WorkerCall | ShutdownWorker
+
+
+class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
+    """Worker → executor, once: the model is loaded and the KV cache allocated."""
+
+    num_blocks: int
+    kv_window: int | None
+    pid: int
+
+
+class StepDone(msgspec.Struct, tag="done", kw_only=True):
+    """Worker → executor: a ``ModelRunnerOutput`` (``status`` is a ``StepStatus`` value)."""
+
+    status: str
+    layers_done: float
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, PositionLogprobs]
+    prompt_logprobs: dict[str, list[PositionLogprobs]]
+    draft_token_ids: dict[str, list[int]]
+
+
+class WorkerCallResult(msgspec.Struct, tag="result", kw_only=True):
+    """Worker → executor: what a ``WorkerCall`` (or ``DiscardPausedStep``) returned, or the error it
+    raised (a failed call leaves the worker serving: it changed no step state)."""
+
+    result: object = None
+    error: str | None = None
+
+
+class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):
+    """Worker → executor: starting or a request raised (the error and its traceback); it then exits."""
+
+    error: str
+
+
+WorkerReply = WorkerReady | StepDone | WorkerCallResult | WorkerFailed

@@ -9,14 +9,15 @@ pass does, and a fraction of another request's long prefill, so waiting for the 
 double its time to first token or worse). The server raises a one-byte flag in shared memory right
 after sending such a request; between decoder layers the model asks the step's ``StepControl``
 whether to stop, and when it says so the forward returns a ``LayerProgress`` (how far it got) instead
-of hidden states. The model runner turns that into ``StepPaused`` or ``StepInterrupted`` for the
-engine. What happens to the stopped step depends on its plan:
+of hidden states. The model runner turns that into the step's status, ``StepStatus.PAUSED`` or
+``StepStatus.ABANDONED`` (``core/step_io.py``), returned through the executor to the engine core;
+nothing is raised on the way. What happens to the stopped step depends on its plan:
 
 - **Paused** (plans the scheduler marks ``pausable``, for short prefills: any step but one that
   finishes a short prefill itself or computes a first token a TTFT target protects,
   ``Scheduler.may_pause``). The executor keeps the step's batch and the hidden states and residual
-  stream going into the next layer (``StepPaused``); the engine core reads its input, runs a pass
-  of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
+  stream going into the next layer and returns ``PAUSED``; the engine core reads its input, runs a
+  pass of its own for the waiting requests with short prefills (``Scheduler.schedule_beside``: no
   preemption, no running request; under the ``ttft`` admission as many as keep their mean time to
   first token least, and then another pass for the rest, up to ``MAX_ARRIVAL_PASSES_PER_PAUSE`` in a
   row), sends their first tokens, then goes on with the paused step from that layer. Nothing is
@@ -27,7 +28,7 @@ engine. What happens to the stopped step depends on its plan:
   ``MAX_PAUSES_PER_STEP`` times and a resumed pass runs a layer before it stops again, so its
   requests keep moving; aborts of its requests wait until it ends (their blocks are its to write).
 - **Abandoned** (plans the scheduler marks ``interruptible``, for TTFT tiers: any step that computes
-  no first token such a tier protects, never two in a row, ``Scheduler._may_be_cut``). Nothing of
+  no first token such a tier protects, never two in a row, ``StepBounds.may_be_cut`` in ``core/step_bounds.py``). Nothing of
   the step is kept: the scheduler's state is as it was planned (no tokens counted, no outputs, blocks
   already reserved stay reserved for the same tokens), and those tokens are planned again after the
   new request's step, which may serve only that tier. The keys and values the abandoned layers wrote
@@ -96,32 +97,15 @@ class StepControl:
 NEVER_STOP = StepControl()
 
 
-class StepInterrupted(Exception):
-    """The step was stopped before a layer because the interrupt flag was raised (the model runner
-    raises it when the forward returned a ``LayerProgress``). ``progress`` is that ``LayerProgress``;
-    an abandoned step drops it."""
-
-    def __init__(self, message: str, progress: object = None) -> None:
-        super().__init__(message)
-        self.progress = progress
-
-
-class StepPaused(Exception):
-    """The executor suspended a pausable step between layers. ``suspended`` is what it needs to go on
-    (opaque to the core): hand it to ``resume`` once the arrival's own pass has run."""
-
-    def __init__(self, suspended: object) -> None:
-        super().__init__("the step was paused between layers for an arrival")
-        self.suspended = suspended
-
-
 class InterruptFlag:
     """A shared one-byte flag in ``<folder>/interrupt``. ``create`` makes the file (the engine process);
     ``attach`` maps an existing one (the server). ``buffer`` is the writable mapping (a tensor view of
-    it lets C++ kernels poll the same byte)."""
+    it lets C++ kernels poll the same byte). ``folder`` is where the file is, so that another process
+    (a worker: ``executor/multiproc.py``) can ``attach`` the same flag."""
 
-    def __init__(self, buffer: mmap.mmap) -> None:
+    def __init__(self, buffer: mmap.mmap, folder: str | None = None) -> None:
         self.buffer = buffer
+        self.folder = folder
 
     @classmethod
     def create(cls, folder: str) -> InterruptFlag:
@@ -129,7 +113,7 @@ class InterruptFlag:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, b"\0")
-            return cls(mmap.mmap(fd, 1))
+            return cls(mmap.mmap(fd, 1), folder)
         finally:
             os.close(fd)
 
@@ -143,7 +127,7 @@ class InterruptFlag:
         except FileNotFoundError:
             return None
         try:
-            return cls(mmap.mmap(fd, 1))
+            return cls(mmap.mmap(fd, 1), folder)
         finally:
             os.close(fd)
 

@@ -157,7 +157,8 @@ class InProcClient:
             raise UtilityCallError(f"{type(exc).__name__}: {exc}") from exc
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Nothing to stop: the core lives as long as its owner keeps it."""
+        """Stop the core's executor (its worker processes, if any); the engine core is kept."""
+        self.core.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step has work (only an in-process caller, which drives the steps, needs it)."""

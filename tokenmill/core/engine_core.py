@@ -15,8 +15,8 @@ from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.step_io import SchedulerOutput
-from tokenmill.executor.inprocess import InProcessExecutor
+from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput, StepStatus
+from tokenmill.executor.factory import make_executor
 from tokenmill.loader import ModelSource
 from tokenmill.protocol import (
     RESERVED_UTILITY_METHODS,
@@ -28,7 +28,7 @@ from tokenmill.protocol import (
     UtilityValue,
 )
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.step_control import InterruptFlag, StepInterrupted, StepPaused
+from tokenmill.step_control import InterruptFlag
 from tokenmill.structured.backend import GrammarBackend
 from tokenmill.structured.manager import StructuredOutputManager
 
@@ -44,6 +44,13 @@ MAX_PAUSES_PER_STEP = 3
 # Arrivals' passes run one after another while a step is paused, before it goes on (the arrivals'
 # pass admits as many as keep their mean time to first token least: ``Scheduler.schedule_beside``).
 MAX_ARRIVAL_PASSES_PER_PAUSE = 4
+
+
+def _expect_done(result: ModelRunnerOutput, what: str) -> None:
+    """A plan that is neither pausable nor interruptible (an arrivals' pass, a step resumed for the
+    last time) runs to the end: any other status is an executor's broken contract."""
+    if result.status is not StepStatus.DONE:
+        raise RuntimeError(f"{what} came back {result.status.value}; it may not be stopped")
 
 
 def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_tokens: int) -> int:
@@ -67,12 +74,12 @@ def effective_max_model_len(config: EngineConfig, source: ModelSource, capacity_
 
 @dataclass
 class PausedStep:
-    """A planned step the executor paused between layers (``StepPaused``): its plan, what the
-    executor goes on from, the seconds it has run, how often it paused, and how many arrivals'
-    passes ran since the last pause."""
+    """A planned step the executor paused between layers (and keeps: ``Executor.resume``): its plan,
+    the share of its layers it has run, the seconds it has run, how often it paused, and how many
+    arrivals' passes ran since the last pause."""
 
     plan: SchedulerOutput
-    suspended: object
+    layers_done: float
     ran_seconds: float
     num_pauses: int = 1
     arrival_passes: int = 0
@@ -90,7 +97,7 @@ class EngineCore:
         config.validate()
         self.config = config
         self.source = source
-        self.executor = InProcessExecutor(config, source)
+        self.executor = make_executor(config, source)
         block_size = config.cache.block_size
         self.kv_manager = KVCacheManager(
             self.executor.num_blocks,
@@ -156,6 +163,8 @@ class EngineCore:
                 self.step()
         finally:
             self.scheduler = scheduler
+            if self._paused is not None:
+                self.executor.discard_paused()
             self._second_pass = self._paused = None
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_queried_tokens = self.kv_manager.prefix_hit_tokens = 0
@@ -209,18 +218,17 @@ class EngineCore:
         if plan.is_empty and not failed and self.structured.has_pending():
             # Everything runnable waits for a grammar: block on the compiler rather than spin.
             self.structured.wait_for_compile(timeout=0.05)
-        try:
-            result = self.executor.execute(plan)
-        except StepInterrupted:
+        result = self.executor.execute(plan)
+        if result.status is StepStatus.ABANDONED:
             # Abandoned between layers for a latency-critical arrival: nothing of it counts, and it
             # is planned again after that request's step (step_control.py).
             self.scheduler.step_interrupted(plan)
             self.num_interrupted_steps += 1
             return self._outputs(failed, plan.num_preempted, forced_before)
-        except StepPaused as paused:
+        if result.status is StepStatus.PAUSED:
             # Paused between layers for arrivals with short prefills: their pass runs next, then
             # this one goes on (step_control.py).
-            self._paused = PausedStep(plan, paused.suspended, time.perf_counter() - started)
+            self._paused = PausedStep(plan, result.layers_done, time.perf_counter() - started)
             self.num_paused_steps += 1
             return self._outputs(failed, plan.num_preempted, forced_before)
         outputs = failed + self.scheduler.update(plan, result)
@@ -239,6 +247,7 @@ class EngineCore:
         ):
             # Put back for waiting requests that now rank above it: plan anew (nothing was sent).
             self._paused = None
+            self.executor.discard_paused()
             self.num_replanned_steps += 1
             aborted, self._aborted_while_paused = self._aborted_while_paused, []
             self.scheduler.abort(aborted)
@@ -253,14 +262,15 @@ class EngineCore:
             if arrivals is not None:
                 return arrivals
         resumed = time.perf_counter()
-        try:
-            result = self.executor.resume(paused.suspended, paused.num_pauses < MAX_PAUSES_PER_STEP)
-        except StepPaused:
+        result = self.executor.resume(paused.num_pauses < MAX_PAUSES_PER_STEP)
+        if result.status is StepStatus.PAUSED:
+            paused.layers_done = result.layers_done
             paused.ran_seconds += time.perf_counter() - resumed
             paused.num_pauses += 1
             paused.arrival_passes = 0
             self.num_paused_steps += 1
             return self._outputs([], 0, forced_before)
+        _expect_done(result, "a resumed step")
         self._paused = None
         # Aborted while paused: the step wrote their blocks to the end, so only now may they go.
         aborted, self._aborted_while_paused = self._aborted_while_paused, []
@@ -272,7 +282,7 @@ class EngineCore:
         """The share of a paused step's work done: of its layers, or of its predicted time where the
         seconds it ran say more (a cold step's first layers take longer than the rest, and the time
         is what putting it back would lose)."""
-        layers = self.executor.fraction_done(paused.suspended)
+        layers = paused.layers_done
         predicted = self.scheduler.step_time.predict(paused.plan.num_tokens, len(paused.plan.scheduled))
         return layers if not predicted else max(layers, min(1.0, paused.ran_seconds / predicted))
 
@@ -285,7 +295,9 @@ class EngineCore:
         if beside.is_empty:
             return None
         beside.grammar_bitmask = self.structured.step_bitmask(beside.scheduled, self.scheduler.requests)
-        outputs = self.scheduler.update(beside, self.executor.execute(beside))
+        result = self.executor.execute(beside)
+        _expect_done(result, "an arrivals' pass")
+        outputs = self.scheduler.update(beside, result)
         self._record_step_time(beside, started)
         return self._outputs(outputs, 0, forced_before)
 
@@ -364,6 +376,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a multi-process executor's child); idempotent. The core
+        takes no more steps after it."""
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ what every client calls
 

@@ -302,7 +302,10 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             core.set_interrupt(interrupt)
         output_socket.send(encoder.encode(ready))
         freeze_startup_objects()
-        return EngineLoop(core, input_socket, output_socket, parent_pid, interrupt).run()
+        try:
+            return EngineLoop(core, input_socket, output_socket, parent_pid, interrupt).run()
+        finally:
+            core.shutdown()  # a multi-process executor's worker goes with the engine
     except _Terminated:
         logger.info("engine terminated by SIGTERM")
         return 0

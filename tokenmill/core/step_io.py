@@ -8,6 +8,7 @@ The scheduler produces a ``SchedulerOutput`` per step; an executor runs it and h
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -88,10 +89,33 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class StepStatus(str, enum.Enum):
+    """How a step's forward ended (``step_control.py``): the executor turns a stop between layers
+    into one of these, so no exception crosses the executor boundary.
+
+    ``DONE``: it ran to the end; the output holds its tokens. ``PAUSED``: a ``pausable`` plan stopped
+    before a layer; the executor keeps it (batch, hidden states) until ``resume`` or
+    ``discard_paused``, and the output holds nothing but how far it got. ``ABANDONED``: an
+    ``interruptible`` plan stopped and was dropped; nothing of it counts.
+    """
+
+    DONE = "done"
+    PAUSED = "paused"
+    ABANDONED = "abandoned"
+
+
 @dataclass
 class ModelRunnerOutput:
-    """What the executor computed: a token per sampling request, and the logprobs asked for."""
+    """What the executor computed: a token per sampling request, and the logprobs asked for.
+
+    ``status`` says whether the step ran to the end (only then do the other fields hold anything);
+    ``layers_done`` is the share of the model's layers a ``PAUSED`` step has run (0.0 to 1.0).
+    ``draft_token_ids`` holds a speculative proposer's draft tokens per request (empty for now).
+    """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    status: StepStatus = StepStatus.DONE
+    layers_done: float = 1.0

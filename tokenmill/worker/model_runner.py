@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.step_io import GrammarBitmask, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.step_io import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepStatus,
+)
 from tokenmill.layers.attention import SequenceStep, select_backend
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
@@ -28,14 +34,7 @@ from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_random, make_generator
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
-from tokenmill.step_control import (
-    NEVER_STOP,
-    InterruptFlag,
-    LayerProgress,
-    StepControl,
-    StepInterrupted,
-    StepPaused,
-)
+from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress, StepControl
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
 
@@ -165,6 +164,8 @@ class ModelRunner:
         self.kv_window: int | None = None if None in windows else max(w for w in windows if w is not None)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        # The step the interrupt paused between layers, until the engine resumes or discards it.
+        self._paused: SuspendedStep | None = None
 
     def _quantize(self, kind: str | None) -> int:
         """Quantize every layer that supports it; returns how many did (0 without quantization). A
@@ -209,35 +210,48 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run ``plan``: its forward, then its sampling. A pausable plan the interrupt stops before a
+        layer comes back ``PAUSED`` and is kept here (one at most) until ``resume`` or
+        ``discard_paused``; an interruptible one comes back ``ABANDONED`` (step_control.py). Plans
+        run while one is kept must not be pausable (the engine's arrivals' passes are not)."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         if plan.is_empty:
             return ModelRunnerOutput()
+        if plan.pausable and self._paused is not None:
+            raise RuntimeError("a pausable step was sent while another paused step is kept")
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
         if (plan.interruptible or plan.pausable) and self.interrupt is not None:
             batch.control = StepControl(self.interrupt, self.interrupt_tensor)
         return self._finish(SuspendedStep(plan, batch, sample_entries, prompt_rows))
 
     @torch.inference_mode()
-    def resume(self, suspended: SuspendedStep, may_pause: bool) -> ModelRunnerOutput:
-        """Go on with a step ``execute`` paused (``StepPaused``) from the layer it stopped before; with
-        ``may_pause`` it may pause again, else it runs to the end."""
-        batch = suspended.batch
+    def resume(self, may_pause: bool) -> ModelRunnerOutput:
+        """Go on with the step ``execute`` paused, from the layer it stopped before; with
+        ``may_pause`` it may pause again (and stay kept), else it runs to the end."""
+        if self._paused is None:
+            raise RuntimeError("resume without a paused step")
+        step, self._paused = self._paused, None
         if not may_pause:
-            batch.control = NEVER_STOP
-        return self._finish(suspended)
+            step.batch.control = NEVER_STOP
+        return self._finish(step)
+
+    def discard_paused(self) -> None:
+        """Drop the paused step (the engine put its plan back); a no-op when none is kept."""
+        self._paused = None
 
     def _finish(self, step: SuspendedStep) -> ModelRunnerOutput:
-        """Run ``step``'s forward (from where it stopped, if it did), then its sampling. A pausable
-        plan stopped by the interrupt raises ``StepPaused`` with what ``resume`` needs; an
-        interruptible one ``StepInterrupted`` (it is abandoned)."""
+        """Run ``step``'s forward (from where it stopped, if it did), then its sampling. Where the
+        interrupt stops the forward, a stop becomes a status here: a pausable plan is kept and comes
+        back ``PAUSED``, any other ``ABANDONED``."""
         batch, sample_entries, prompt_rows = step.batch, step.sample_entries, step.prompt_rows
         logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] f32 or activation dtype
         if isinstance(logits, LayerProgress):  # the step's control stopped the forward before a layer
             if step.plan.interruptible:
-                raise StepInterrupted("a latency-critical request arrived", logits)
+                return ModelRunnerOutput(status=StepStatus.ABANDONED, layers_done=0.0)
             batch.resume_from = logits
-            raise StepPaused(step)
+            self._paused = step
+            return ModelRunnerOutput(status=StepStatus.PAUSED, layers_done=step.fraction_done)
         batch.resume_from = None
         output = ModelRunnerOutput()
         num_sampling = len(sample_entries)
@@ -363,8 +377,7 @@ class ModelRunner:
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:
         """Let steps the scheduler marks ``interruptible`` be abandoned between layers when ``flag`` is
-        raised (``step_control.py``): the step's ``StepControl`` stops its forward between layers, and
-        ``execute`` raises ``StepInterrupted``."""
+        raised (``step_control.py``); ``execute`` then returns ``ABANDONED`` (or ``PAUSED``)."""
         self.interrupt = flag
         self.interrupt_tensor = None if flag is None else torch.frombuffer(flag.buffer, dtype=torch.uint8)
 

@@ -20,7 +20,6 @@ exits on SIGTERM, on ``ShutdownEngine`` and when its parent process is gone.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import os
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from tokenmill.child_process import child_command, parse_child_args
 from tokenmill.config import EngineConfig
 from tokenmill.protocol import (
     AbortRequests,
@@ -97,21 +97,7 @@ def spawn_engine_process(
     stderr so its log lines appear with the server's.
     """
     input_address, output_address = socket_addresses(socket_dir)
-    command = [
-        sys.executable,
-        "-m",
-        "tokenmill.core.engine_proc",
-        "--config-json",
-        msgspec.json.encode(config).decode(),
-        "--input-address",
-        input_address,
-        "--output-address",
-        output_address,
-        "--parent-pid",
-        str(os.getpid()),
-        "--log-level",
-        log_level,
-    ]
+    command = child_command("tokenmill.core.engine_proc", config, input_address, output_address, log_level)
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     return EngineProcessHandle(process, input_address, output_address, socket_dir)
 
@@ -319,21 +305,11 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="tokenmill engine-core process (started by the server)")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--input-address", required=True)
-    parser.add_argument("--output-address", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
-    )
+    args = parse_child_args("tokenmill engine-core process (started by the server)", "engine", argv)
     # Ctrl-C in a terminal reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    config = msgspec.json.decode(args.config_json, type=EngineConfig)
-    sys.exit(run_engine_process(config, args.input_address, args.output_address, args.parent_pid))
+    sys.exit(run_engine_process(args.config, args.input_address, args.output_address, args.parent_pid))
 
 
 if __name__ == "__main__":

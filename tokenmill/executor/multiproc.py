@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import weakref
 from typing import NoReturn, TypeVar
@@ -22,6 +20,7 @@ from typing import NoReturn, TypeVar
 import msgspec
 import zmq
 
+from tokenmill.child_process import child_command
 from tokenmill.config import EngineConfig
 from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.plan_delta import PlanEncoder, output_from_wire
@@ -77,21 +76,10 @@ class MultiProcessExecutor:
             sock.setsockopt(zmq.SNDHWM, 0)
         self._from_worker.bind(output_address)
         self._to_worker.connect(input_address)
-        command = [
-            sys.executable,
-            "-m",
-            "tokenmill.executor.worker_proc",
-            "--config-json",
-            msgspec.json.encode(config).decode(),
-            "--input-address",
-            input_address,
-            "--output-address",
-            output_address,
-            "--parent-pid",
-            str(os.getpid()),
-            "--log-level",
-            logging.getLevelName(logging.getLogger("tokenmill").getEffectiveLevel()),
-        ]
+        log_level = logging.getLevelName(logging.getLogger("tokenmill").getEffectiveLevel())
+        command = child_command(
+            "tokenmill.executor.worker_proc", config, input_address, output_address, log_level
+        )
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         # Stops the child even when nobody calls shutdown (an LLM dropped, the interpreter exiting).
         self._finalizer = weakref.finalize(self, _stop_worker, self._process, self._context, self._socket_dir)

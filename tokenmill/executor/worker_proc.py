@@ -11,7 +11,6 @@ state may be half-updated). It exits too when its parent is gone, checked while 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from tokenmill.child_process import parse_child_args
 from tokenmill.config import EngineConfig
 from tokenmill.protocol import (
     DiscardPausedStep,
@@ -159,21 +159,11 @@ def _call(runner: ModelRunner, call: WorkerCall) -> WorkerCallResult:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="tokenmill worker process (started by the engine)")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--input-address", required=True)
-    parser.add_argument("--output-address", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s"
-    )
+    args = parse_child_args("tokenmill worker process (started by the engine)", "worker", argv)
     # Ctrl-C reaches the whole process group; the engine decides when its worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    config = msgspec.json.decode(args.config_json, type=EngineConfig)
-    sys.exit(run_worker(config, args.input_address, args.output_address, args.parent_pid))
+    sys.exit(run_worker(args.config, args.input_address, args.output_address, args.parent_pid))
 
 
 if __name__ == "__main__":

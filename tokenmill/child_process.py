@@ -1,0 +1,69 @@
+"""How tokenmill starts a child process of its own: the engine core (``core/engine_proc.py``) and an
+executor's worker (``executor/worker_proc.py``).
+
+A child is ``python -m <module>`` under ``subprocess.Popen``, never ``multiprocessing`` (which
+pickles); its ``EngineConfig`` travels as JSON on the command line, with the two ipc:// addresses it
+talks on and its parent's pid (it exits when that process is gone). This module is a leaf: it
+imports nothing of tokenmill but the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import msgspec
+
+from tokenmill.config import EngineConfig
+
+
+def child_command(
+    module: str, config: EngineConfig, input_address: str, output_address: str, log_level: str
+) -> list[str]:
+    """The command line that starts ``module``'s ``main`` as a child of this process."""
+    return [
+        sys.executable,
+        "-m",
+        module,
+        "--config-json",
+        msgspec.json.encode(config).decode(),
+        "--input-address",
+        input_address,
+        "--output-address",
+        output_address,
+        "--parent-pid",
+        str(os.getpid()),
+        "--log-level",
+        log_level,
+    ]
+
+
+@dataclass
+class ChildArgs:
+    """What a child got on its command line (``child_command``)."""
+
+    config: EngineConfig
+    input_address: str
+    output_address: str
+    parent_pid: int
+
+
+def parse_child_args(description: str, log_tag: str, argv: list[str] | None = None) -> ChildArgs:
+    """Read a child's command line and set up its logging, each line tagged ``[log_tag]`` so the
+    parent's terminal tells the processes apart (the child inherits stdout and stderr)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--input-address", required=True)
+    parser.add_argument("--output-address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{log_tag}] %(name)s: %(message)s",
+    )
+    config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    return ChildArgs(config, args.input_address, args.output_address, args.parent_pid)

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 import msgspec
+import zmq
 
 from tokenmill.config import EngineConfig
 
@@ -67,3 +68,19 @@ def parse_child_args(description: str, log_tag: str, argv: list[str] | None = No
     )
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
     return ChildArgs(config, args.input_address, args.output_address, args.parent_pid)
+
+
+def open_child_sockets(input_address: str, output_address: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A child's context, its input socket (PULL, bound) and its output socket (PUSH, connected):
+    unbounded queues, and a second at most to flush unsent messages when it closes (once it
+    decides to exit they are worthless; it must not hang on them)."""
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    output_socket = context.socket(zmq.PUSH)
+    for sock in (input_socket, output_socket):
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+    input_socket.bind(input_address)
+    output_socket.connect(output_address)
+    return context, input_socket, output_socket

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from tokenmill.child_process import child_command, parse_child_args
+from tokenmill.child_process import child_command, open_child_sockets, parse_child_args
 from tokenmill.config import EngineConfig
 from tokenmill.protocol import (
     AbortRequests,
@@ -250,16 +250,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             "engine process niceness raised by %d (the server's work comes first)", config.engine_niceness
         )
     socket_dir = os.path.dirname(input_address.removeprefix("ipc://"))  # made by make_socket_dir
-    context = zmq.Context()
-    input_socket = context.socket(zmq.PULL)
-    output_socket = context.socket(zmq.PUSH)
-    # Unsent messages are worthless once the process decides to exit; do not hang on them.
-    for sock in (input_socket, output_socket):
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-    input_socket.bind(input_address)
-    output_socket.connect(output_address)
+    context, input_socket, output_socket = open_child_sockets(input_address, output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
         try:

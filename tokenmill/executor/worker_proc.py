@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from tokenmill.child_process import parse_child_args
+from tokenmill.child_process import open_child_sockets, parse_child_args
 from tokenmill.config import EngineConfig
 from tokenmill.protocol import (
     DiscardPausedStep,
@@ -59,15 +59,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def run_worker(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> int:
     """Load the runner, report ready (or why not), and serve requests; returns the exit code."""
-    context = zmq.Context()
-    input_socket = context.socket(zmq.PULL)
-    output_socket = context.socket(zmq.PUSH)
-    for sock in (input_socket, output_socket):
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-    input_socket.bind(input_address)
-    output_socket.connect(output_address)
+    context, input_socket, output_socket = open_child_sockets(input_address, output_address)
     encoder = msgspec.msgpack.Encoder()
 
     def send(message: WorkerReply) -> None:

@@ -97,6 +97,7 @@ def test_select_is_the_argmax_of_normalised_transformers_logprobs(runtime: Runti
     assert got == pytest.approx(expected, abs=1e-4)
     assert state["choice"] == choices[max(range(len(choices)), key=lambda i: expected[i])]
     assert state.text() == prompt + state["choice"]
+
     # gen(choices=...) is the same select
     @function
     def pick_by_gen(s):  # type: ignore[no-untyped-def]
@@ -151,7 +152,7 @@ def test_fork_primes_the_prefix_once_and_joins_in_order(runtime: Runtime) -> Non
     assert sorted(r.lane for r in gens) == ["0.1", "0.2", "0.3"]
     assert all(r.start >= records[0].end for r in gens)
     assert all(r.cached_tokens >= 20 for r in gens)  # the primed prefix's five full blocks
-    assert "<div class=\"bar\"" in state.trace.to_html()
+    assert '<div class="bar"' in state.trace.to_html()
 
 
 def test_text_iter_streams_the_generation(runtime: Runtime) -> None:

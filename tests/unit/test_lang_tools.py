@@ -39,7 +39,11 @@ class ScriptedBackend(Backend):
 
     def _render(self, messages, add_generation_prompt, tools):  # type: ignore[no-untyped-def]
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=TEMPLATE
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=TEMPLATE,
         )
 
     def generate(self, prompt: str, gen: Gen, on_text: TextCallback | None = None) -> CallResult:
@@ -96,7 +100,15 @@ def test_a_failing_tool_becomes_an_error_message_and_the_loop_continues(tokenize
     calls = state.get_meta_info("answer")["tool_calls"]
     assert [c["result"] for c in calls] == ["error: ZeroDivisionError: division by zero", "2.0"]
     messages = state.messages()
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert messages[2]["tool_calls"][0]["function"] == {"name": "divide", "arguments": {"a": 1, "b": 0}}
     assert messages[3]["content"] == "error: ZeroDivisionError: division by zero"
     assert messages[-1] == {"role": "assistant", "content": "It is 2."}

@@ -65,10 +65,23 @@ class Program:
         """
         state = ProgramState(_pick(backend))
         if stream:
-            threading.Thread(target=self._body_then_sync, args=(state, args, kwargs), daemon=True).start()
+            thread = threading.Thread(target=self._streamed_body, args=(state, args, kwargs), daemon=True)
+            with state._cond:  # reads wait from now on, before the thread has even started
+                thread.start()
+                assert thread.ident is not None
+                state._body_thread = thread.ident
             return state
         self._body_then_sync(state, args, kwargs)
         return state
+
+    def _streamed_body(self, state: ProgramState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            state.ret_value = self.body(state, *args, **kwargs)
+        except BaseException as exc:  # surfaces on the state's reads
+            with state._cond:
+                state._error = state._error or exc
+        finally:
+            state.body_running(None)
 
     def _body_then_sync(self, state: ProgramState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.ret_value = self.body(state, *args, **kwargs)

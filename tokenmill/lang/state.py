@@ -42,6 +42,8 @@ class ProgramState:
         self._error: BaseException | None = None
         self._queue: deque[Expr] = deque()
         self._running = False
+        # The thread of a ``run(stream=True)`` body still adding expressions (None: no such body).
+        self._body_thread: int | None = None
         self._cond = threading.Condition()
         # Streaming: every piece of text appended, with the variable it belongs to (None: plain text).
         self._pieces: list[tuple[str | None, str]] = []
@@ -109,7 +111,7 @@ class ProgramState:
     def sync(self) -> None:
         """Wait until everything queued has run; ProgramError if something failed."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._running)
+            self._cond.wait_for(self._idle)
             self._raise_if_failed()
 
     def text(self) -> str:
@@ -182,8 +184,19 @@ class ProgramState:
         if self._error is not None:
             raise ProgramError(f"a call of the program failed: {self._error}") from self._error
 
+    def _idle(self) -> bool:
+        body_busy = self._body_thread is not None and self._body_thread != threading.get_ident()
+        return not self._running and not body_busy
+
+    def body_running(self, thread_id: int | None) -> None:
+        """Mark that the program body runs in thread ``thread_id`` (None: it ended); reads from other
+        threads wait for it to end before deciding that a variable was never set."""
+        with self._cond:
+            self._body_thread = thread_id
+            self._cond.notify_all()
+
     def _stream_over(self, name: str | None) -> bool:
-        if self._error is not None or (not self._running and not self._queue):
+        if self._error is not None or self._idle():
             return True
         return name is not None and name in self._finished_vars
 

@@ -100,6 +100,11 @@ class Trace:
             f"<p>{html.escape(summary)}</p>{''.join(rows)}</body></html>"
         )
 
+    def save_html(self, path: str) -> None:
+        """Write ``to_html()`` to ``path``."""
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(self.to_html())
+
 
 class CallTimer:
     """Times one call and records it: ``with CallTimer(trace, lane, kind, name) as t: t.done(result)``."""

@@ -469,9 +469,6 @@ class Scheduler:
             self.kv.release_out_of_window_blocks(request)
             if not entry.sample:
                 continue
-            if request.max_tokens == 0:
-                outputs.append(self._finish_prompt_only(request))
-                continue
             new_tokens, stopped = append_tokens(request, result.sampled_token_ids[entry.request_id])
             self.num_forced_tokens_total += len(new_tokens) - 1
             self._record_tokens(request, len(new_tokens), now)
@@ -493,23 +490,6 @@ class Scheduler:
                 output.error = request.error
             outputs.append(output)
         return outputs
-
-    def _finish_prompt_only(self, request: Request) -> EngineCoreOutput:
-        """End a ``max_tokens=0`` request once its prompt is computed: no token is kept (the one the
-        step sampled is dropped), the prompt's blocks are already in the prefix cache."""
-        self.running.remove(request)
-        request.finish_reason = FinishReason.LENGTH
-        self._finish(request)
-        output = EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            num_cached_tokens=request.num_cached_tokens,
-            finish_reason=FinishReason.LENGTH,
-        )
-        if request.wants_prompt_logprobs:
-            output.prompt_logprobs = request.pending_prompt_logprobs
-            request.pending_prompt_logprobs = []
-        return output
 
     def _charge_prompt(self, request: Request) -> None:
         """Charge the user for prompt positions computed for the first time (recomputation is free)."""

@@ -82,6 +82,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The first prompt position whose logprob is wanted: the positions before it may come from the
+    # prefix cache (their entries are None), as SGLang's ``logprob_start_len``.
+    prompt_logprobs_start: int = 0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -144,6 +147,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
+        if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
+            raise ValueError(f"prompt_logprobs_start must be an integer >= 0, got {self.prompt_logprobs_start!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         assert isinstance(self.stop, list)

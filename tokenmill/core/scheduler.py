@@ -394,6 +394,10 @@ class Scheduler:
         running ones, with ``num_new`` of its tokens (default: all the rest) in ``plan``."""
         if request.num_preemptions == 0:
             request.num_cached_tokens = computed
+        if request.wants_prompt_logprobs and computed > request.num_prompt_logprobs_done:
+            # Cached positions (all before ``prompt_logprobs_start``) have no logits: their entries are None.
+            request.pending_prompt_logprobs.extend([None] * (computed - request.num_prompt_logprobs_done))
+            request.num_prompt_logprobs_done = computed
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -178,6 +178,8 @@ def build_native_params(sp: NativeSamplingParams, options: LogprobOptions) -> Sa
         "prompt_logprobs": (
             options.top_logprobs_num if options.return_logprob and options.logprob_start_len >= 0 else None
         ),
+        # Prompt positions before logprob_start_len may then come from the prefix cache.
+        "prompt_logprobs_start": max(options.logprob_start_len, 0),
         "logit_bias": logit_bias_from_json(sp.logit_bias),
         "structured_outputs": _structured(sp),
     }

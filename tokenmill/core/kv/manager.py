@@ -123,16 +123,17 @@ class KVCacheManager:
         """Take the longest cached prefix of ``request``'s tokens; returns its length in tokens.
 
         At least one token is always left to compute so the step has logits to sample from, and
-        requests asking for prompt logprobs match nothing (cached positions have no logits).
+        requests asking for prompt logprobs match only what lies before the position whose logits
+        give their first wanted logprob (cached positions have no logits).
         Must be called only for a request with no allocation yet.
         """
         assert request.request_id not in self._allocations
         allocation = KVAllocation()
         self._allocations[request.request_id] = allocation
-        if self.radix is None or request.wants_prompt_logprobs:
+        limit = self._match_limit(request)
+        if limit == 0:
             return 0
         self.prefix_queried_tokens += request.num_tokens
-        limit = (request.num_tokens - 1) // self.block_size * self.block_size
         match = self.radix.match_prefix(self.namespace(request), request.all_token_ids[:limit])
         if not match.block_ids:
             return 0
@@ -145,6 +146,16 @@ class KVCacheManager:
         self.prefix_hit_tokens += num_tokens
         return num_tokens
 
+    def _match_limit(self, request: Request) -> int:
+        """How many leading tokens of ``request`` may come from the tree (whole blocks): all but the
+        last one, and for prompt logprobs none from the row before ``prompt_logprobs_start`` on."""
+        if self.radix is None:
+            return 0
+        end = request.num_tokens - 1
+        if request.wants_prompt_logprobs:
+            end = min(end, request.sampling_params.prompt_logprobs_start - 1)
+        return max(end, 0) // self.block_size * self.block_size
+
     def peek_prefix_tokens(self, request: Request) -> int:
         """Cached prefix length of a waiting request, in tokens, changing nothing (for policies).
 
@@ -152,7 +163,8 @@ class KVCacheManager:
         admission, in-flight prefix checks); the tree is walked once per request and tree version
         (a request's tokens only grow, so its id and token count name them).
         """
-        if self.radix is None or request.wants_prompt_logprobs:
+        limit = self._match_limit(request)
+        if self.radix is None or limit == 0:
             return 0
         if self._peeked_version != self.radix.version:
             self._peeked.clear()
@@ -160,7 +172,6 @@ class KVCacheManager:
         key = (request.request_id, request.num_tokens)
         tokens = self._peeked.get(key)
         if tokens is None:
-            limit = (request.num_tokens - 1) // self.block_size * self.block_size
             blocks = self.radix.peek_prefix_blocks(self.namespace(request), request.all_token_ids[:limit])
             tokens = self._peeked[key] = int(blocks) * self.block_size
         return tokens

@@ -1,7 +1,7 @@
 """tokenmill.lang against a live tokenmill server, compared with the same programs in-process.
 
-``OpenAIEndpoint`` goes through ``/v1/completions``; at temperature 0 every primitive must give what
-the in-process ``Runtime`` gives on the same model.
+``Endpoint`` goes through the native ``/generate``, ``OpenAIEndpoint`` through ``/v1/completions``;
+at temperature 0 every primitive must give what the in-process ``Runtime`` gives on the same model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from server_process import API_KEY, ServerProcess
 from tiny_model import words
 
-from tokenmill.lang import OpenAIEndpoint, Runtime, function, gen, select
+from tokenmill.lang import Backend, Endpoint, OpenAIEndpoint, Runtime, function, gen, select
 from tokenmill.lang.remote import RemoteError
 
 PREFIX = words(list(range(10, 40))) + " "
@@ -32,6 +32,18 @@ def openai_backend(tiny_server: ServerProcess, tiny_model_dir: str) -> Iterator[
     backend = OpenAIEndpoint(tiny_server.url, api_key=API_KEY, tokenizer=tiny_model_dir)
     yield backend
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def native_backend(tiny_server: ServerProcess, tiny_model_dir: str) -> Iterator[Endpoint]:
+    backend = Endpoint(tiny_server.base_url, api_key=API_KEY)  # the tokenizer: /get_model_info's path
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(params=["native", "openai"])
+def remote(request: pytest.FixtureRequest) -> Backend:
+    return request.getfixturevalue(f"{request.param}_backend")  # type: ignore[no-any-return]
 
 
 @function
@@ -53,37 +65,33 @@ def branches(s):  # type: ignore[no-untyped-def]
     return [branch["tail"] for branch in forks]
 
 
-def test_openai_endpoint_matches_the_in_process_runtime(
-    runtime: Runtime, openai_backend: OpenAIEndpoint
-) -> None:
+def test_remote_backends_match_the_in_process_runtime(runtime: Runtime, remote: Backend) -> None:
     local = pick_and_continue.run(prefix=PREFIX, backend=runtime)
-    remote = pick_and_continue.run(prefix=PREFIX, backend=openai_backend)
-    assert remote["choice"] == local["choice"]
-    assert remote.get_meta_info("choice")["normalized_logprobs"] == pytest.approx(
+    state = pick_and_continue.run(prefix=PREFIX, backend=remote)
+    assert state["choice"] == local["choice"]
+    assert state.get_meta_info("choice")["normalized_logprobs"] == pytest.approx(
         local.get_meta_info("choice")["normalized_logprobs"], abs=1e-4
     )
-    assert remote["more"] == local["more"] and remote.text() == local.text()
+    assert state["more"] == local["more"] and state.text() == local.text()
 
 
-def test_openai_endpoint_fork_primes_and_branches_hit_the_cache(
-    runtime: Runtime, openai_backend: OpenAIEndpoint
-) -> None:
-    remote = branches.run(backend=openai_backend)
-    assert remote.ret_value == branches.run(backend=runtime).ret_value
-    records = remote.trace.records
+def test_remote_fork_primes_and_branches_hit_the_cache(runtime: Runtime, remote: Backend) -> None:
+    state = branches.run(backend=remote)
+    assert state.ret_value == branches.run(backend=runtime).ret_value
+    records = state.trace.records
     assert records[0].kind == "prime" and records[0].prompt_tokens == 30
     assert all(r.cached_tokens >= 28 for r in records[1:])  # the primed prefix's seven full blocks
 
 
-def test_openai_endpoint_streams_and_runs_batches(runtime: Runtime, openai_backend: OpenAIEndpoint) -> None:
+def test_remote_streams_and_runs_batches(runtime: Runtime, remote: Backend) -> None:
     @function
     def one(s, start):  # type: ignore[no-untyped-def]
         s += words([start, start + 1]) + " "
         s += gen("x", max_tokens=6, temperature=0, ignore_eos=True)
 
-    streamed = one.run(start=90, backend=openai_backend, stream=True)
+    streamed = one.run(start=90, backend=remote, stream=True)
     assert "".join(streamed.text_iter("x")) == streamed["x"] == one.run(start=90, backend=runtime)["x"]
-    states = one.run_batch([{"start": s} for s in (100, 110, 120)], backend=openai_backend, num_threads=3)
+    states = one.run_batch([{"start": s} for s in (100, 110, 120)], backend=remote, num_threads=3)
     assert [s["x"] for s in states] == [one.run(start=s, backend=runtime)["x"] for s in (100, 110, 120)]
 
 

@@ -107,20 +107,21 @@ def test_select_is_the_argmax_of_normalised_transformers_logprobs(runtime: Runti
     assert pick_by_gen.run(backend=runtime)["choice"] == state["choice"]
 
 
-def test_select_never_generates(runtime: Runtime) -> None:
-    """One prompt-only request per choice, all admitted together: no completion token anywhere."""
-    before = runtime.llm.kv_stats()
+def test_select_never_generates_and_takes_the_prompt_from_the_cache(runtime: Runtime) -> None:
+    """The prompt is primed once, then one prompt-only request per choice, admitted together, whose
+    logprobs start at the choice: the prompt's whole blocks come from the cache, nothing is generated."""
 
     @function
     def pick(s):  # type: ignore[no-untyped-def]
-        s += words(33, 34)
-        s += " "
+        s += words(*range(133, 146)) + " "  # 13 tokens: three whole blocks of 4
         s += select("c", choices=[words(35), words(36)])
 
     state = pick.run(backend=runtime)
     [record] = state.trace.records
     assert record.kind == "select" and record.completion_tokens == 0
-    assert runtime.llm.kv_stats()["num_running"] == before["num_running"] == 0
+    assert record.prompt_tokens == 13 + 14 + 14
+    assert record.cached_tokens == 12 + 12  # the two choices; the priming computed the prompt
+    assert runtime.llm.kv_stats()["num_running"] == 0
 
 
 def test_fork_primes_the_prefix_once_and_joins_in_order(runtime: Runtime) -> None:

@@ -108,6 +108,14 @@ def normalized_logprob(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a state's text: special tokens are added (a BOS) unless the text already starts
+    with the BOS token (a chat template wrote it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and text.startswith(bos))
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
+
+
 def check_choices(choices: Sequence[str]) -> list[str]:
     options = list(choices)
     if not options or any(not isinstance(c, str) or not c for c in options):

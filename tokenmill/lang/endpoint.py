@@ -4,7 +4,8 @@ Requests follow SGLang's protocol: ``text`` (a string or a list), ``sampling_par
 (``max_new_tokens``, ``stop``, ``temperature``, ``regex``, ``json_schema``...), ``return_logprob`` with
 ``logprob_start_len``; replies carry ``meta_info`` (``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``finish_reason``, ``input_token_logprobs`` as ``[logprob, token_id, text]``).
-Streaming replies are server-sent events whose ``text`` is cumulative.
+Streaming replies are server-sent events whose ``text`` is cumulative. ``select`` tokenizes here
+with the served model's tokenizer and sends ``input_ids`` with a ``logprob_start_len`` per choice.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tokenmill.lang.backend import (
     TextCallback,
     check_choices,
     choice_span,
+    encode_text,
     normalized_logprob,
 )
 from tokenmill.lang.expr import Gen
@@ -110,26 +112,36 @@ class Endpoint(RemoteBackend):
         return _call_result(last)
 
     def score_choices(self, prompt: str, choices: Sequence[str]) -> ChoiceScores:
+        """Tokenize here (with the served model's tokenizer), prime the prompt for two or more
+        choices, then score all choices in one prompt-only batch whose logprobs start at each choice
+        (``logprob_start_len``), so the server takes the prompt from its prefix cache."""
         options = check_choices(choices)
+        prompt_ids = encode_text(self.tokenizer, prompt)
+        fulls = [encode_text(self.tokenizer, prompt + choice) for choice in options]
+        starts = [choice_span(prompt_ids, full) for full in fulls]
+        metas = []
+        if len(options) > 1:
+            metas.append(
+                self._post({"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
+            )
         body = {
-            "text": [prompt, *(prompt + choice for choice in options)],
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "input_ids": fulls,
+            "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
-            "logprob_start_len": 0,
+            "logprob_start_len": starts,
         }
         replies = self._post(body)
-        if not isinstance(replies, list) or len(replies) != len(options) + 1:
+        if not isinstance(replies, list) or len(replies) != len(options):
             raise RemoteError(
-                f"POST /generate answered a batch of {len(options) + 1} texts with {replies!r:.200}"
+                f"POST /generate answered a batch of {len(options)} prompts with {replies!r:.200}"
             )
-        rows = [reply["meta_info"]["input_token_logprobs"] for reply in replies]
-        prompt_ids = [int(entry[1]) for entry in rows[0]]
         token_logprobs = []
-        for row in rows[1:]:
-            ids = [int(entry[1]) for entry in row]
-            start = choice_span(prompt_ids, ids)
-            token_logprobs.append([float(entry[0]) for entry in row[start:]])
-        metas = [reply.get("meta_info", {}) for reply in replies]
+        for reply, full, start in zip(replies, fulls, starts):
+            row = reply["meta_info"]["input_token_logprobs"]
+            if [int(entry[1]) for entry in row] != full[start:]:
+                raise RemoteError("POST /generate returned input logprobs for other tokens than were sent")
+            token_logprobs.append([float(entry[0]) for entry in row])
+        metas += [reply.get("meta_info", {}) for reply in replies]
         call = CallResult(
             text="",
             prompt_tokens=sum(int(m.get("prompt_tokens", 0)) for m in metas),

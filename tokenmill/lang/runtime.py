@@ -27,6 +27,7 @@ from tokenmill.lang.backend import (
     TextCallback,
     check_choices,
     choice_span,
+    encode_text,
     normalized_logprob,
 )
 from tokenmill.lang.chat_roles import ChatRoles
@@ -98,26 +99,34 @@ class Runtime(Backend):
         )
 
     def score_choices(self, prompt: str, choices: Sequence[str]) -> ChoiceScores:
+        """Prime the prompt (for two or more choices), then score every choice in one batch of
+        prompt-only requests whose logprobs start at the choice, so the prompt comes from the cache."""
         options = check_choices(choices)
         prompt_ids = self.encode(prompt)
-        params = SamplingParams(max_tokens=0, prompt_logprobs=0)
-        outputs = self._run([(self.encode(prompt + choice), params) for choice in options])
+        fulls = [self.encode(prompt + choice) for choice in options]
+        starts = [choice_span(prompt_ids, full) for full in fulls]
+        primed = self._run([(prompt_ids, SamplingParams(max_tokens=0))]) if len(options) > 1 else []
+        outputs = self._run(
+            [
+                (full, SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_start=start))
+                for full, start in zip(fulls, starts)
+            ]
+        )
         token_logprobs = []
-        for output in outputs:
-            full = output.prompt_token_ids
+        for output, full, start in zip(outputs, fulls, starts):
             assert output.prompt_logprobs is not None
-            start = choice_span(prompt_ids, full)
             values = []
             for position in range(start, len(full)):
                 entry = output.prompt_logprobs[position]
                 assert entry is not None
                 values.append(entry[full[position]].logprob)
             token_logprobs.append(values)
+        everything = primed + outputs
         call = CallResult(
             text="",
-            prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+            prompt_tokens=sum(len(o.prompt_token_ids) for o in everything),
             completion_tokens=0,
-            cached_tokens=sum(o.num_cached_tokens for o in outputs),
+            cached_tokens=sum(o.num_cached_tokens for o in everything),
         )
         return ChoiceScores([normalized_logprob(v) for v in token_logprobs], token_logprobs, call)
 
@@ -148,11 +157,8 @@ class Runtime(Backend):
             self._driver.join()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a state's text; a text that already starts with BOS (a chat template wrote
-        it) gets no second one."""
-        bos = self.tokenizer.bos_token
-        add_special = not (bos and text.startswith(bos))
-        return self.llm.input_processor.tokenize(text, add_special_tokens=add_special)
+        """Token ids of a state's text (``backend.encode_text``)."""
+        return encode_text(self.tokenizer, text)
 
     # ------------------------------------------------------------------ the driver
 

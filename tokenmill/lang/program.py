@@ -59,11 +59,12 @@ class Program:
     ) -> ProgramState:
         """Run the program on ``backend`` (else the default) with ``args``; returns its state.
 
-        ``stream=True`` returns at once with the body running in a thread, for ``text_iter``.
+        ``stream=True`` returns at once with the body running in a thread and its generations
+        streamed, for ``text_iter`` (without it, ``text_iter`` yields each generation whole).
         The body's return value is ``state.ret_value``; a failure raises ``ProgramError`` (or the
         body's own exception), unless ``stream`` is set, then it surfaces on the state's reads.
         """
-        state = ProgramState(_pick(backend))
+        state = ProgramState(_pick(backend), streaming=stream)
         if stream:
             thread = threading.Thread(target=self._streamed_body, args=(state, args, kwargs), daemon=True)
             with state._cond:  # reads wait from now on, before the thread has even started

@@ -28,8 +28,12 @@ class ProgramError(RuntimeError):
 class ProgramState:
     """The state ``s`` a program function receives. See the module docstring for the contract."""
 
-    def __init__(self, backend: Backend, trace: Trace | None = None, lane: str = "0") -> None:
+    def __init__(
+        self, backend: Backend, trace: Trace | None = None, lane: str = "0", streaming: bool = False
+    ) -> None:
         self.backend = backend
+        # Ask backends to stream generations (for ``text_iter``); off, remote calls are plain requests.
+        self.streaming = streaming
         self.trace = trace or Trace()
         self.lane = lane
         self.ret_value: Any = None
@@ -162,7 +166,8 @@ class ProgramState:
                 timer.counts(result.prompt_tokens, 0, result.cached_tokens)
         branches = []
         for _ in range(n):
-            child = ProgramState(self.backend, self.trace, lane=f"{self.lane}.{next(self._fork_ids)}")
+            lane = f"{self.lane}.{next(self._fork_ids)}"
+            child = ProgramState(self.backend, self.trace, lane=lane, streaming=self.streaming)
             with self._cond:
                 child._text = self._text
                 child._variables = dict(self._variables)
@@ -284,7 +289,7 @@ class ProgramState:
                 self._stream(gen.name, piece)
 
         with CallTimer(self.trace, self.lane, "gen", gen.name) as timer:
-            result = self.backend.generate(self._text, gen, on_text=on_text)
+            result = self.backend.generate(self._text, gen, on_text=on_text if self.streaming else None)
             timer.counts(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
         self._commit_text(result.text, gen.name, streamed="".join(streamed))
         meta = {

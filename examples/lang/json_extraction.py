@@ -34,7 +34,7 @@ NUM_CONVERSATIONS = 8
 def extract(s, question):
     s += system("You extract facts about user requests as JSON with keys topic, language and asks_for_code.")
     s += user(f"Request: {question}")
-    s += assistant(gen("facts", max_tokens=60, temperature=0, json_schema=SCHEMA))
+    s += assistant(gen("facts", max_tokens=100, temperature=0, json_schema=SCHEMA))
 
 
 def first_questions(count: int) -> list[str]:
@@ -54,7 +54,10 @@ def main() -> None:
     started = time.perf_counter()
     states = extract.run_batch([{"question": q} for q in questions], backend=backend, progress_bar=True)
     for question, state in itertools.islice(zip(questions, states), NUM_CONVERSATIONS):
-        facts = json.loads(state["facts"])  # the schema guarantees parseable JSON
+        if state.get_meta_info("facts")["finish_reason"] == "length":
+            print(f"(cut at max_tokens) {state['facts']}  <- {question[:60]!r}")
+            continue
+        facts = json.loads(state["facts"])  # the schema makes a finished answer valid JSON
         print(f"{json.dumps(facts)}  <- {question[:60]!r}")
     totals = states[0].trace.totals()
     print(

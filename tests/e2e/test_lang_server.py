@@ -110,3 +110,21 @@ def test_select_without_prompt_logprobs_names_the_missing_feature(tiny_model_dir
     with pytest.raises(Exception, match="needs prompt logprobs.*echo=true.*echo is not supported") as info:
         pick.run(backend=backend)
     assert isinstance(info.value.__cause__, RemoteError)
+
+
+def test_completions_score_a_prompt_with_echo_and_max_tokens_zero(tiny_server: ServerProcess) -> None:
+    """Legacy completions' prompt scoring (what OpenAIEndpoint's select sends): nothing generated."""
+    prompt = words([5, 6, 7, 8])
+    with tiny_server.http() as http:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        assert reply.json()["usage"]["completion_tokens"] == 0
+        logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(logprobs) == 4 and logprobs[0] is None and all(v is not None for v in logprobs[1:])
+        refused = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 0})
+        assert refused.status_code == 400 and "0 only with echo" in refused.json()["error"]["message"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 0}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 400

@@ -143,7 +143,7 @@ class OpenAIEndpoint(RemoteBackend):
         return ChoiceScores([normalized_logprob(v) for v in token_logprobs], token_logprobs, call)
 
     def prime(self, prompt: str) -> CallResult:
-        body = {**self._body(prompt, Gen(name=None, max_tokens=1)), "max_tokens": 0}
+        body = {**self._body(prompt, Gen(name=None, max_tokens=1)), "max_tokens": 0, "echo": True}
         response = self.http.post("/completions", json=body)
         if response.status_code >= 400:  # a server that refuses max_tokens 0: priming is an optimisation
             return CallResult("", 0, 0, 0)

@@ -42,9 +42,17 @@ def build_sampling_params(
         raise bad_request(
             f"temperature must be in [0, {MAX_TEMPERATURE}], got {request.temperature}", param="temperature"
         )
-    if max_tokens is not None and max_tokens < 1:
-        # SamplingParams allows 0 (prompt only, for the native /generate); the OpenAI API does not.
-        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if (
+        max_tokens is not None
+        and max_tokens < 1
+        and not (max_tokens == 0 and getattr(request, "echo", False))
+    ):
+        # SamplingParams allows 0 (prompt only, for the native /generate); the OpenAI API only with
+        # legacy completions' echo, which scores the prompt (its prompt logprobs) as OpenAI's did.
+        raise bad_request(
+            f"max_tokens must be >= 1 (0 only with echo, to score the prompt), got {max_tokens}",
+            param="max_tokens",
+        )
     values: dict[str, Any] = {
         "n": request.n,
         "max_tokens": max_tokens,

@@ -148,7 +148,9 @@ class SamplingParams:
             if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
         if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
-            raise ValueError(f"prompt_logprobs_start must be an integer >= 0, got {self.prompt_logprobs_start!r}")
+            raise ValueError(
+                f"prompt_logprobs_start must be an integer >= 0, got {self.prompt_logprobs_start!r}"
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         assert isinstance(self.stop, list)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TinyModel
-from tests.unit.test_rl_weights import PROMPT, greedy, hf_state, make_llm, weights_a, weights_b  # noqa: F401
+from tests.unit.rl_helpers import PROMPT, fixture_weights_a, fixture_weights_b, greedy, hf_state, make_llm  # noqa: F401
 from tokenmill import LLM
 from tokenmill.core.client import UtilityCallError
 from tokenmill.frontend.output_processor import RequestState

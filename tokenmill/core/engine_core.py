@@ -126,8 +126,8 @@ class EngineCore:
         )
         # RL: weight updates in place and their version (core/weights.py), pause and memory
         # release (core/pause.py); outputs those calls produced, sent with the next step's.
-        self.weights = EngineWeights(self.executor, self.kv_manager, self.settle_step)
         self.pause = PauseControl(self)
+        self.weights = EngineWeights(self.executor, self.kv_manager, self.settle_step, self.pause.abort_all)
         self._queued_outputs: list[EngineCoreOutput] = []
         self._utilities: dict[str, UtilityHandler] = {
             "reset_prefix_cache": lambda args: {"success": self.reset_prefix_cache()},

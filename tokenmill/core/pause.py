@@ -70,14 +70,7 @@ class PauseControl:
         scheduler = core.scheduler
         num_aborted = num_retracted = 0
         if mode == "abort":
-            aborted = core.abort_requests(list(scheduler.requests))
-            core.queue_outputs(
-                [
-                    EngineCoreOutput(request_id=i, new_token_ids=[], finish_reason=FinishReason.ABORT)
-                    for i in aborted
-                ]
-            )
-            num_aborted = len(aborted)
+            num_aborted = self.abort_all()
         elif mode == "retract":
             # From the last to the first, each to the front: the waiting order keeps the running one.
             for request in reversed(list(scheduler.running)):
@@ -92,6 +85,18 @@ class PauseControl:
             "num_retracted": num_retracted,
             "num_frozen": scheduler.num_running,
         }
+
+    def abort_all(self) -> int:
+        """End every request in flight with reason ``abort`` (their outputs so far stand); returns
+        how many. The step under way must have been settled."""
+        aborted = self.core.abort_requests(list(self.core.scheduler.requests))
+        self.core.queue_outputs(
+            [
+                EngineCoreOutput(request_id=i, new_token_ids=[], finish_reason=FinishReason.ABORT)
+                for i in aborted
+            ]
+        )
+        return len(aborted)
 
     def resume(self, args: UtilityArgs) -> dict[str, UtilityValue]:
         was_paused, self.paused, self.mode = self.paused, False, None

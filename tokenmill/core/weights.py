@@ -39,13 +39,21 @@ class EngineWeights:
 
     Contract: each ``update_*`` handler either loads every tensor on every worker and starts a new
     generation (returning ``success``, ``num_tensors`` and the new ``weight_version``), or raises
-    ValueError having changed nothing. ``settle`` is called before anything reaches a worker.
+    ValueError having changed nothing. ``settle`` is called before anything reaches a worker;
+    ``abort_all`` ends every request in flight first when the call asks (``abort_all_requests``).
     """
 
-    def __init__(self, executor: Executor, kv_manager: KVCacheManager, settle: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        kv_manager: KVCacheManager,
+        settle: Callable[[], None],
+        abort_all: Callable[[], int],
+    ) -> None:
         self.executor = executor
         self.kv = kv_manager
         self.settle = settle
+        self.abort_all = abort_all
         self.version = INITIAL_WEIGHT_VERSION
         self.generation = 0
         self.num_updates = 0
@@ -114,6 +122,8 @@ class EngineWeights:
     def _update(self, method: str, call: list[Any], args: UtilityArgs) -> dict[str, UtilityValue]:
         version = _optional(args, "weight_version", str, method)
         self.settle()
+        if _optional(args, "abort_all_requests", bool, method):
+            self.abort_all()  # SGLang's option: no request runs across the update
         started = time.perf_counter()
         counts = self._rpc(method, call)
         self.generation += 1

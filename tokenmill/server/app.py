@@ -31,6 +31,7 @@ from tokenmill.server.openai_protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tokenmill.server.rl_routes import router as rl_router
 from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.settings import ServerSettings
@@ -191,6 +192,7 @@ def build_app(
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(rl_router)  # weight updates, pause, memory release (RL)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.

@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ def open_weight_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = GROUP_TIMEOUT_S,
-) -> dist.ProcessGroup:
+) -> Any:
     """A process group of its own (not the default one) for broadcasting weights: rank 0 (the
     trainer) hosts a TCP store at ``master_address:master_port``, keys live under ``group_name``.
     Both sides call it (the trainer with rank 0); it returns once all ``world_size`` ranks joined,
@@ -87,7 +88,7 @@ def open_weight_group(
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[attr-defined,no-any-return]
+        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
     raise ValueError(f"unknown weight-group backend {backend!r}; expected 'gloo' (CPU) or 'nccl' (GPU)")
 
 
@@ -107,7 +108,7 @@ class WeightUpdater:
     device: torch.device
     # The folder the live weights last came from whole (the model's own, or an update's).
     folder: str = ""
-    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    groups: dict[str, Any] = field(default_factory=dict)  # name → a gloo / nccl backend
     _shapes: dict[str, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
@@ -233,7 +234,7 @@ class WeightUpdater:
             received[name] = tensor
         return self.load(received)
 
-    def _group(self, group_name: str | None) -> dist.ProcessGroup:
+    def _group(self, group_name: str | None) -> Any:
         if group_name is not None and group_name in self.groups:
             return self.groups[group_name]
         if group_name is None and len(self.groups) == 1:

@@ -65,7 +65,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.device = torch.device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype("float32" if config.rl_exact_logprobs else config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.interrupt: InterruptFlag | None = None  # see set_interrupt
         self.interrupt_tensor: torch.Tensor | None = None
@@ -157,7 +157,7 @@ class ModelRunner:
         # What the KV manager may release: blocks outside the widest window, when no layer is global.
         windows = self.layer_sliding_windows
         self.kv_window: int | None = None if None in windows else max(w for w in windows if w is not None)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
         self._generators: dict[str, torch.Generator] = {}
         # The step the interrupt paused between layers, until the engine resumes or discards it.
         self._paused: SuspendedStep | None = None

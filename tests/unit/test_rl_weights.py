@@ -192,3 +192,23 @@ def test_update_from_distributed_two_processes(weights_a: TinyModel, weights_b: 
     with pytest.raises(UtilityCallError, match="has shape"):
         llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[3]], group_name="rl-test")
     assert run(llm)[0] == weights_b.greedy(PROMPT, 6)
+
+
+def test_updates_reach_a_worker_process(weights_a: TinyModel, weights_b: TinyModel) -> None:
+    """Through the multi-process executor: the safetensors bytes cross to the worker as msgpack
+    ``bin`` (no pickle), a worker's ValueError comes back as the same message, and a retracted
+    pause recomputes there under the new weights."""
+    llm = make_llm(weights_a, executor_backend="mp")
+    try:
+        with pytest.raises(UtilityCallError, match=re.escape("has shape [3], but the model's is [64]")):
+            llm.update_weights_from_tensor({"model.norm.weight": torch.zeros(3)})
+        assert run(llm)[0] == weights_a.greedy(PROMPT, 6)
+        llm.update_weights_from_tensor(hf_state(weights_b), weight_version="b")
+        assert run(llm) == (weights_b.greedy(PROMPT, 6), 0)
+        llm.pause_generation("retract")
+        llm.release_memory_occupation(["kv_cache"])
+        llm.resume_memory_occupation(["kv_cache"])
+        llm.continue_generation()
+        assert run(llm) == (weights_b.greedy(PROMPT, 6), 0)
+    finally:
+        llm.engine.shutdown()

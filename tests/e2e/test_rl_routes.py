@@ -222,3 +222,52 @@ def test_release_memory_gets_503_until_resumed(
     tokens, cached = complete(server)
     assert cached == 0
     assert tokens == expected(references["a"], PROMPT, 6)
+
+
+def _generate(server: ServerProcess, payload: dict[str, object], results: list[dict[str, object]]) -> None:
+    with server.http() as http:
+        response = http.post("/generate", json=payload)
+    assert response.status_code == 200, response.text
+    results.append(response.json())
+
+
+def test_generate_reports_each_tokens_weight_version(
+    server: ServerProcess, references: dict[str, LlamaForCausalLM]
+) -> None:
+    """A rollout paused in place across an update: /generate's meta_info says which tokens came
+    from which weights (a trainer masks the older ones), and the final weight version."""
+    with server.http() as http:
+        before = http.get("/get_weight_version").json()["weight_version"]
+    results: list[dict[str, object]] = []
+    payload = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    thread = threading.Thread(target=_generate, args=(server, payload, results))
+    thread.start()
+    _wait_running(server, 1)
+    assert post(server, "/pause_generation", json={"mode": "in_place"}).status_code == 200
+    state_b = references["b"].state_dict()
+    encoded = base64.b64encode(blob(state_b)).decode()
+    response = post(
+        server,
+        "/update_weights_from_tensor",
+        json={"serialized_named_tensors": encoded, "weight_version": "rl-b"},
+    )
+    assert response.status_code == 200, response.text
+    assert post(server, "/continue_generation").status_code == 200
+    thread.join(60)
+    meta = results[0]["meta_info"]  # type: ignore[index]
+    versions = meta["output_token_weight_versions"]  # type: ignore[index]
+    assert len(versions) == 1500 == len(meta["output_token_logprobs"])  # type: ignore[index]
+    switch = versions.index("rl-b")
+    assert 0 < switch and versions == [before] * switch + ["rl-b"] * (1500 - switch)
+    assert results[0]["output_ids"][:switch] == expected(references["a"], PROMPT, switch)  # type: ignore[index]
+    with server.http() as http:
+        assert http.get("/model_info").status_code == 200
+        assert http.get("/get_weight_version").json()["weight_version"] == "rl-b"
+    assert (
+        post(server, "/update_weights_from_disk", json={"model_path": "", "weight_version": "x"}).status_code
+        == 400
+    )

@@ -149,6 +149,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.num_blocks = ready.num_blocks
+        self.block_size = ready.block_size
         self.engine_pid = ready.pid
         self.log_requests = log_requests
         self.input_processor = InputProcessor(tokenizer, source.hf_config, ready.max_model_len)
@@ -172,6 +173,7 @@ class AsyncLLM:
         self._failed_reason: str | None = None
         # What release_memory_occupation freed and resume_memory_occupation has not brought back.
         self.memory_released = ""
+        self._weight_version = "default"
         self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name="tokenmill-output-dispatch")
 
     # ------------------------------------------------------------------ start-up
@@ -224,6 +226,17 @@ class AsyncLLM:
     @property
     def dead_reason(self) -> str | None:
         return self._client.dead_reason or self._failed_reason
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights the engine serves (``"default"`` until weights are updated):
+        the latest of an update's answer and the version the engine's last tokens carried."""
+        return self._weight_version
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The ids of the ``generate`` calls in flight (accepted or waiting for acceptance)."""
+        return list(self._streams)
 
     async def generate(
         self,
@@ -373,6 +386,8 @@ class AsyncLLM:
         result = await asyncio.wait_for(self._client.call_utility(method, args), timeout)
         if method in ("release_memory_occupation", "resume_memory_occupation"):
             self.memory_released = str(result.get("released") or "")
+        if isinstance(result.get("weight_version"), str):
+            self._weight_version = result["weight_version"]
         return result
 
     async def reset_prefix_cache(self) -> bool:
@@ -420,6 +435,8 @@ class AsyncLLM:
             if stream is None:
                 continue
             touched[stream.state.request_id] = stream
+            if output.weight_version is not None:
+                self._weight_version = output.weight_version
             if output.error is not None:
                 stream.error = EngineFaultError(f"the engine failed on this request: {output.error}")
             self._observe_tokens(stream, output.request_id, len(output.new_token_ids), now)

@@ -262,7 +262,7 @@ def test_generate_reports_each_tokens_weight_version(
     versions = meta["output_token_weight_versions"]  # type: ignore[index]
     assert len(versions) == 1500 == len(meta["output_token_logprobs"])  # type: ignore[index]
     switch = versions.index("rl-b")
-    assert 0 < switch and versions == [before] * switch + ["rl-b"] * (1500 - switch)
+    assert switch > 0 and versions == [before] * switch + ["rl-b"] * (1500 - switch)
     assert results[0]["output_ids"][:switch] == expected(references["a"], PROMPT, switch)  # type: ignore[index]
     with server.http() as http:
         assert http.get("/model_info").status_code == 200

@@ -386,8 +386,9 @@ class AsyncLLM:
         result = await asyncio.wait_for(self._client.call_utility(method, args), timeout)
         if method in ("release_memory_occupation", "resume_memory_occupation"):
             self.memory_released = str(result.get("released") or "")
-        if isinstance(result.get("weight_version"), str):
-            self._weight_version = result["weight_version"]
+        version = result.get("weight_version")
+        if isinstance(version, str):
+            self._weight_version = version
         return result
 
     async def reset_prefix_cache(self) -> bool:

@@ -204,6 +204,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream generates one completion; n must be 1, got {params.n}")
+        self._check_not_paused()
         text, token_ids = self._encode(prompt)
         request_id = str(next(self._ids))
         core_requests = self.input_processor.make_requests(request_id, token_ids, params)
@@ -224,6 +225,11 @@ class LLM:
                 self.client.abort_requests(self.output_processor.abort(request_id))
 
     # ------------------------------------------------------------------ internals
+
+    def _check_not_paused(self) -> None:
+        """This thread drives the steps: while paused nothing would ever finish, so refuse."""
+        if self.engine.pause.blocks_steps:
+            raise ValueError("the engine is paused or its memory released; continue_generation first")
 
     def _admit(self, request_id: str, core_requests: list[EngineCoreRequest]) -> None:
         """Admit one prompt's samples all or none; on a refusal forget it and raise ValueError."""
@@ -259,8 +265,7 @@ class LLM:
                 )
         for (_, token_ids), params in zip(encoded, params_list):
             self.input_processor.check_prompt(token_ids, params)
-        if self.engine.pause.blocks_steps:
-            raise ValueError("the engine is paused or its memory released; continue_generation first")
+        self._check_not_paused()
 
         order: list[str] = []
         try:

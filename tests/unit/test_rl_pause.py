@@ -14,6 +14,8 @@ from tests.unit.rl_helpers import PROMPT, fixture_weights_a, fixture_weights_b, 
 from tokenmill import LLM
 from tokenmill.core.client import UtilityCallError
 from tokenmill.frontend.output_processor import RequestState
+from tokenmill.protocol import UtilityBytes
+from tokenmill.worker.weight_update import serialize_named_tensors
 
 PROMPTS = [PROMPT, [30 + i for i in range(7)], [60 + 2 * i for i in range(10)]]
 
@@ -170,3 +172,22 @@ def test_release_and_resume_memory(weights_a: TinyModel, weights_b: TinyModel) -
     llm.continue_generation()
     out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(8), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == weights_a.greedy(PROMPT, 8)
+
+
+def test_update_with_abort_all_requests_ends_them_first(weights_a: TinyModel, weights_b: TinyModel) -> None:
+    """SGLang's ``abort_all_requests``: no request runs across the update."""
+    llm = make_llm(weights_a)
+    states = start(llm, PROMPTS)
+    step(llm, 2)
+    llm.call_utility(
+        "update_weights_from_tensor",
+        serialized_named_tensors=UtilityBytes(serialize_named_tensors(hf_state(weights_b))),
+        abort_all_requests=True,
+    )
+    step(llm)
+    assert [s.samples[0].finish_reason for s in states] == ["abort"] * 3
+    assert all(set(s.samples[0].weight_versions) == {"default"} for s in states)
+    assert_blocks_back(llm)
+    with pytest.raises(ValueError, match="paused"):
+        llm.pause_generation("in_place")
+        list(llm.stream({"prompt_token_ids": PROMPT}, greedy()))

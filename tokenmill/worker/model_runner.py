@@ -267,6 +267,8 @@ class ModelRunner:
         if kv_cache and self.kv_caches:
             self.kv_caches = []
             self.kv_prefaulter = None
+        if weights and self.model_impl != "native":
+            raise ValueError("releasing the weights needs model_impl='native' (they are reloaded through it)")
         if weights and self._released_weights is None:
             self._released_weights = {n: p.shape for n, p in self.model.named_parameters()}
             drop_derived_weights(self.model)

@@ -46,6 +46,13 @@ class UpdateFromDiskBody(_Body):
     load_format: str | None = None
     flush_cache: bool = True  # the cache is always keyed by the weights: nothing stale is ever served
     abort_all_requests: bool = False
+    # Accepted from SGLang clients, with nothing to do here: the update is done when the call
+    # answers, it leaves a pause as it was, and there is no CUDA allocator cache or graph to redo.
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
 
 
 class UpdateFromTensorBody(_Body):

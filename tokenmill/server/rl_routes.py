@@ -11,6 +11,8 @@ either a raw body (``Content-Type: application/octet-stream``, the version in th
 ``weight_version`` query parameter) or JSON whose ``serialized_named_tensors`` is the base64 of one
 safetensors blob (or a one-element list of it: SGLang sends one per tensor-parallel rank), with
 ``load_format`` absent or ``"safetensors"``. SGLang's own pickled formats are refused by name.
+The body limit (``--max-request-body-bytes``, 16 MiB by default) applies: a whole model's tensors
+go through a folder or the broadcast group, or the limit is raised.
 """
 
 from __future__ import annotations

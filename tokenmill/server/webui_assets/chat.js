@@ -105,6 +105,7 @@ function requestBody(messages) {
   const system = $("set-system").value.trim();
   if (system) body.messages.push({ role: "system", content: system });
   for (const m of messages) {
+    if (m.role === "assistant" && m.error && !m.content && !(m.toolCalls || []).length) continue; // a failed turn
     const message = { role: m.role, content: m.content };
     if (m.toolCalls && m.toolCalls.length) message.tool_calls = m.toolCalls;
     body.messages.push(message);

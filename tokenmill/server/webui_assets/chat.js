@@ -234,7 +234,7 @@ function fillMessage(element, message) {
 
 function messageElement(message, index) {
   const element = document.createElement("article");
-  element.className = `message ${message.role}`;
+  element.className = `message ${message.role} ${message.error ? "failed" : "done"}`;
   element.dataset.index = index;
   const role = document.createElement("div");
   role.className = "role";
@@ -361,7 +361,7 @@ async function answer() {
   conversation.messages.push(message);
   conversation.updated = Date.now();
   const element = messageElement(message, conversation.messages.length - 1);
-  element.classList.add("streaming");
+  element.classList.replace("done", "streaming");
   $("messages").append(element);
   const controller = new AbortController();
   streaming = { controller, message };

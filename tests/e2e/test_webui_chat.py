@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,9 +206,12 @@ def test_reload_keeps_the_conversations(chat: Any) -> None:
 def test_export_and_delete(chat: Any) -> None:
     with chat.expect_download() as download_info:
         chat.click("#export-chat")
-    exported = json.loads(open(download_info.value.path()).read())
+    exported = json.loads(pathlib.Path(download_info.value.path()).read_text())
     assert [m["role"] for m in exported["messages"]][:2] == ["user", "assistant"]
-    assert exported["messages"][0]["content"] == chat.locator(".message.user >> nth=0").locator(".body").inner_text()
+    assert (
+        exported["messages"][0]["content"]
+        == chat.locator(".message.user >> nth=0").locator(".body").inner_text()
+    )
     count = chat.locator("#conversations li").count()
     chat.click("#delete-chat")
     assert chat.locator("#conversations li").count() == count - 1
@@ -239,9 +243,15 @@ def test_dashboard_charts_move_under_load(chat: Any, tiny_server: ServerProcess)
             streams.enter_context(http.stream("POST", "/v1/completions", json={**body, "service_tier": tier}))
             for tier in ("default", "flex", "default")
         ]
-        chat.wait_for_function("() => JSON.parse(document.getElementById('chart-requests').dataset.last).running > 0")
-        chat.wait_for_function("() => JSON.parse(document.getElementById('chart-tokens').dataset.last)['tok/s'] > 0")
-        chat.wait_for_function("() => 'flex p99' in JSON.parse(document.getElementById('chart-ttft').dataset.last)")
+        chat.wait_for_function(
+            "() => JSON.parse(document.getElementById('chart-requests').dataset.last).running > 0"
+        )
+        chat.wait_for_function(
+            "() => JSON.parse(document.getElementById('chart-tokens').dataset.last)['tok/s'] > 0"
+        )
+        chat.wait_for_function(
+            "() => 'flex p99' in JSON.parse(document.getElementById('chart-ttft').dataset.last)"
+        )
     assert all(response.status_code == 200 for response in responses)
     assert chat.eval_on_selector("#chart-tokens", "c => c.toDataURL()") != before
     assert float(chat.inner_text("#tile-generated").replace(",", "")) > 0

@@ -32,14 +32,28 @@ ATTACKS = [
 ]
 SCRIPTS = {
     "evil?": ATTACKS,
-    "think?": ["<think>", "Checking", "the", "weather.", "</think>", "<tool_call>", '{"name": "get_weather",', '"arguments": {"city": "Paris"}}', "</tool_call>"],
+    "think?": [
+        "<think>",
+        "Checking",
+        "the",
+        "weather.",
+        "</think>",
+        "<tool_call>",
+        '{"name": "get_weather",',
+        '"arguments": {"city": "Paris"}}',
+        "</tool_call>",
+    ],
 }
 TOOLS = [
     {
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -61,7 +75,15 @@ DANGEROUS_NODES = """(root) => {
 def scripted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     path = str(tmp_path_factory.mktemp("scripted-webui-model"))
     build_scripted_model(path, SCRIPTS)
-    args = [*TINY_ARGS, "--served-model-name", "scripted", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    args = [
+        *TINY_ARGS,
+        "--served-model-name",
+        "scripted",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+    ]
     server = ServerProcess(path, args)
     yield server
     server.stop()
@@ -82,7 +104,9 @@ def ask(page: Any, text: str) -> Any:
     count = page.locator(".message.assistant.done, .message.assistant.failed").count()
     page.fill("#prompt", text)
     page.press("#prompt", "Enter")
-    page.wait_for_function(f"() => document.querySelectorAll('.message.assistant.done, .message.assistant.failed').length > {count}")
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.message.assistant.done, .message.assistant.failed').length > {count}"
+    )
     return page.locator("#messages > .message.assistant:last-child")
 
 
@@ -108,7 +132,7 @@ def test_the_renderer_escapes_every_attack(page: Any) -> None:
     source = "\n".join(
         [
             *ATTACKS,
-            "[ok](https://example.com/?a=1&b=\"x\" onmouseover=alert(1))",
+            '[ok](https://example.com/?a=1&b="x" onmouseover=alert(1))',
             '[q](https://example.com/"onmouseover="alert(1))',
             "`<b>code</b>` and <b>bold</b> &amp; <!-- comment -->",
             "| a | b |\n|---|---|\n| <img src=x onerror=alert(9)> | [x](javascript:alert(1)) |",
@@ -147,8 +171,14 @@ def test_the_renderer_escapes_every_attack(page: Any) -> None:
     )
     assert "<strong>b</strong>" in rendered and "<em>i</em>" in rendered and "<code>c</code>" in rendered
     assert '<a href="https://e.com" target="_blank" rel="noopener noreferrer nofollow">t</a>' in rendered
-    assert '<span class="tok-keyword">def</span>' in rendered and '<span class="tok-comment"># c</span>' in rendered
-    assert '<span class="tok-string">&quot;s&quot;</span>' in rendered and '<span class="tok-number">1</span>' in rendered
+    assert (
+        '<span class="tok-keyword">def</span>' in rendered
+        and '<span class="tok-comment"># c</span>' in rendered
+    )
+    assert (
+        '<span class="tok-string">&quot;s&quot;</span>' in rendered
+        and '<span class="tok-number">1</span>' in rendered
+    )
 
 
 def test_reasoning_and_tool_calls_are_shown_as_such(page: Any) -> None:

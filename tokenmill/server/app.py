@@ -197,5 +197,7 @@ def build_app(
     if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.
         paths, prefixes = public_paths(settings.webui)  # the pages (no data) open; what they call guarded
-        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys, public_paths=paths, public_prefixes=prefixes)
+        app.add_middleware(
+            APIKeyMiddleware, api_keys=settings.api_keys, public_paths=paths, public_prefixes=prefixes
+        )
     return app

@@ -50,12 +50,27 @@ export class LineChart {
     const gridColor = style.getPropertyValue("--line").trim() || "#ddd";
     const left = 48;
     const right = width - 10;
-    const top = 26;
+    ctx.font = "11px system-ui, sans-serif";
+    // The legend (each series and its latest value) wraps over as many rows as it needs.
+    const legend = [];
+    let legendX = left;
+    let legendY = 13;
+    for (const [name, line] of this.series) {
+      const last = line.values.at(-1);
+      const label = `${name} ${last === null || last === undefined ? "–" : formatNumber(last) + this.unit}`;
+      const itemWidth = ctx.measureText(label).width + 28;
+      if (legendX > left && legendX + itemWidth > right) {
+        legendX = left;
+        legendY += 16;
+      }
+      legend.push({ label, color: line.color, x: legendX, y: legendY });
+      legendX += itemWidth;
+    }
+    const top = legendY + 13;
     const bottom = height - 20;
     let max = this.minMax;
     for (const line of this.series.values()) for (const v of line.values) if (v !== null && v > max) max = v;
     max = niceCeiling(max);
-    ctx.font = "11px system-ui, sans-serif";
     ctx.lineWidth = 1;
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
@@ -75,8 +90,7 @@ export class LineChart {
     const span = Math.max(1, this.maxPoints - 1);
     const x = (i) => right - ((this.times.length - 1 - i) * (right - left)) / span;
     const y = (v) => bottom - (v / max) * (bottom - top);
-    let legendX = left;
-    for (const [name, line] of this.series) {
+    for (const line of this.series.values()) {
       ctx.strokeStyle = line.color;
       ctx.lineWidth = 2;
       ctx.beginPath();
@@ -91,14 +105,13 @@ export class LineChart {
         drawing = true;
       });
       ctx.stroke();
-      const last = line.values.at(-1);
-      const label = `${name} ${last === null || last === undefined ? "–" : formatNumber(last) + this.unit}`;
-      ctx.fillStyle = line.color;
-      ctx.fillRect(legendX, 8, 10, 10);
+    }
+    ctx.textBaseline = "middle";
+    for (const item of legend) {
+      ctx.fillStyle = item.color;
+      ctx.fillRect(item.x, item.y - 5, 10, 10);
       ctx.fillStyle = textColor;
-      ctx.textBaseline = "middle";
-      ctx.fillText(label, legendX + 14, 13);
-      legendX += ctx.measureText(label).width + 28;
+      ctx.fillText(item.label, item.x + 14, item.y);
     }
   }
 }

@@ -12,11 +12,13 @@ const charts = {
   ttft: new LineChart($("chart-ttft"), { minMax: 10 }),
   events: new LineChart($("chart-events")),
 };
-let previous = null;
+const RATE_WINDOW = 3; // rates are taken over the last 3 samples (seconds), so steps do not jitter them
+let recent = []; // the last RATE_WINDOW + 1 samples
 let waitingForKey = false;
 
-function rate(now, before, key) {
-  if (!before) return 0;
+function rate(now, key) {
+  const before = recent[0];
+  if (!before || before === now) return 0;
   const seconds = now.time - before.time;
   return seconds > 0 ? Math.max(0, now[key] - before[key]) / seconds : 0;
 }
@@ -27,7 +29,8 @@ function setStatus(text, down) {
 }
 
 function show(sample) {
-  const tokensPerSecond = rate(sample, previous, "generation_tokens");
+  recent = [...recent, sample].slice(-(RATE_WINDOW + 1));
+  const tokensPerSecond = rate(sample, "generation_tokens");
   $("model").textContent = sample.model;
   $("tile-running").textContent = sample.num_running;
   $("tile-waiting").textContent = sample.num_waiting;
@@ -48,12 +51,11 @@ function show(sample) {
   }
   charts.ttft.push(t, ttft);
   charts.events.push(t, {
-    "preemptions/s": rate(sample, previous, "num_preemptions"),
-    "429/s": rate(sample, previous, "num_overloaded"),
+    "preemptions/s": rate(sample, "num_preemptions"),
+    "429/s": rate(sample, "num_overloaded"),
   });
   const engine = sample.engine_alive ? "engine up" : "engine down";
   setStatus(`${engine} · updated ${new Date(t * 1000).toLocaleTimeString()}`, !sample.engine_alive);
-  previous = sample;
 }
 
 async function poll() {

@@ -45,7 +45,7 @@ def main() -> None:
             page.click("#toggle-settings")
             page.fill("#set-temperature", "0")
             page.dispatch_event("#set-temperature", "change")
-            page.fill("#set-max-tokens", "300")
+            page.fill("#set-max-tokens", "170")
             page.dispatch_event("#set-max-tokens", "change")
             page.fill("#set-system", "You are a helpful assistant. Answer briefly, with Markdown.")
             page.dispatch_event("#set-system", "change")

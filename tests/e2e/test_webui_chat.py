@@ -163,6 +163,28 @@ def test_a_refused_request_shows_the_servers_message(chat: Any) -> None:
     set_setting(chat, "#set-extra", "")
 
 
+def test_failures_are_explained_and_a_partial_answer_kept(chat: Any) -> None:
+    """A server error, a refused connection and a stream that breaks off (the network is replaced
+    by Playwright's routing for this test only)."""
+    route = "**/v1/chat/completions"
+    error = {"error": {"message": "the engine is not available: gone", "type": "server_error"}}
+    chat.route(route, lambda r: r.fulfill(status=503, json=error))
+    assert send(chat, "<14>").locator(".message-error").inner_text() == (
+        "The server failed (503): the engine is not available: gone."
+    )
+    chat.unroute(route)
+    chat.route(route, lambda r: r.abort("connectionreset"))
+    message = "The connection to the server was lost before the answer finished."
+    assert send(chat, "<15>").locator(".message-error").inner_text() == message
+    chat.unroute(route)
+    partial = 'data: {"choices": [{"index": 0, "delta": {"content": "half an"}}]}\n\n'
+    chat.route(route, lambda r: r.fulfill(status=200, content_type="text/event-stream", body=partial))
+    answer = send(chat, "<16>")
+    assert answer.locator(".message-error").inner_text() == message
+    assert answer.locator(".body").inner_text() == "half an"
+    chat.unroute(route)
+
+
 def test_regenerate_and_edit_and_resend(chat: Any, tiny_server: ServerProcess) -> None:
     set_setting(chat, "#set-temperature", "0")
     first = send(chat, "<20> <21>").locator(".body").inner_text()

@@ -181,6 +181,31 @@ def test_the_renderer_escapes_every_attack(page: Any) -> None:
     )
 
 
+def test_the_policy_blocks_inline_script_and_reports_it(page: Any, scripted_server: ServerProcess) -> None:
+    """The second wall, and proof that the violation check above can fail: a script element put into
+    the page by hand (as a renderer bug would) neither runs nor goes unreported."""
+    other, events = open_page(page.context.browser)
+    other.goto(scripted_server.base_url + "/")
+    other.wait_for_selector("body[data-ready]")
+    other.evaluate(
+        """() => {
+        const script = document.createElement('script');
+        script.textContent = 'window.__inline = 1';
+        document.body.append(script);
+        const image = document.createElement('img');
+        image.src = 'https://example.com/x.png';
+        document.body.append(image);
+    }"""
+    )
+    other.wait_for_function("() => window.__cspViolations.length >= 2")
+    assert other.evaluate("() => window.__inline === undefined")
+    violations = csp_violations(other)
+    assert any(v.startswith("script-src") and "inline" in v for v in violations), violations
+    assert any(v.startswith("img-src") and "example.com" in v for v in violations), violations
+    assert not events.errors and not events.dialogs
+    other.context.close()
+
+
 def test_reasoning_and_tool_calls_are_shown_as_such(page: Any) -> None:
     page.click("#toggle-settings")
     page.fill("#set-tools", json.dumps(TOOLS))

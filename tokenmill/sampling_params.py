@@ -60,7 +60,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k`` of -1 (or 0) disables top-k; ``top_p`` of 1 and
     ``min_p`` of 0 disable those filters. ``logprobs``/``prompt_logprobs`` ask for that many top
     alternatives per position (0 returns only the chosen token's logprob). ``stop`` strings are never
-    part of the returned text; ``stop_token_ids`` end a completion like EOS does.
+    part of the returned text; ``stop_token_ids`` end a completion like EOS does. ``max_tokens=0``
+    computes the prompt only (its KV enters the prefix cache, ``prompt_logprobs`` score it) and ends
+    with finish reason ``length`` and no output token.
     """
 
     n: int = 1
@@ -130,8 +132,8 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -40,7 +40,7 @@ def http(tiny_server: ServerProcess) -> Iterator[httpx.Client]:
         ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
         ({"prompt": PROMPT, "temperature": 5}, "temperature"),
         ({"prompt": PROMPT, "top_p": 0}, "top_p"),
-        ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
         ({"prompt": PROMPT, "n": 0}, "n"),
         ({"prompt": PROMPT, "logit_bias": {"abc": 1}}, "logit_bias"),
         (

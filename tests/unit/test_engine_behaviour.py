@@ -296,7 +296,7 @@ def test_request_larger_than_the_kv_pool(model, expected) -> None:  # type: igno
         ("top_p", 1.5),
         ("top_k", -2),
         ("n", 0),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("min_p", 2.0),
         ("logprobs", 100),
     ],

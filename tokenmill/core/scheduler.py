@@ -434,7 +434,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start:end],
             start_position=start,
             block_table=self.kv.block_table(request.request_id),
-            sample=end == request.num_tokens,
+            sample=end == request.num_tokens and request.max_tokens > 0,
             sampling_params=params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -468,6 +468,8 @@ class Scheduler:
             self.kv.cache_computed_blocks(request)
             self.kv.release_out_of_window_blocks(request)
             if not entry.sample:
+                if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                    outputs.append(self._finish_prompt_only(request))
                 continue
             new_tokens, stopped = append_tokens(request, result.sampled_token_ids[entry.request_id])
             self.num_forced_tokens_total += len(new_tokens) - 1
@@ -490,6 +492,23 @@ class Scheduler:
                 output.error = request.error
             outputs.append(output)
         return outputs
+
+    def _finish_prompt_only(self, request: Request) -> EngineCoreOutput:
+        """End a ``max_tokens=0`` request whose prompt is computed: no token is sampled, its full
+        blocks stay in the prefix cache, its prompt logprobs (if asked for) go out now."""
+        self.running.remove(request)
+        request.finish_reason = FinishReason.LENGTH
+        self._finish(request)
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            num_cached_tokens=request.num_cached_tokens,
+            finish_reason=FinishReason.LENGTH,
+        )
+        if request.wants_prompt_logprobs:
+            output.prompt_logprobs = request.pending_prompt_logprobs
+            request.pending_prompt_logprobs = []
+        return output
 
     def _charge_prompt(self, request: Request) -> None:
         """Charge the user for prompt positions computed for the first time (recomputation is free)."""

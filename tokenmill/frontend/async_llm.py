@@ -138,6 +138,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.num_blocks = ready.num_blocks
+        self.block_size = ready.block_size
         self.engine_pid = ready.pid
         self.log_requests = log_requests
         self.input_processor = InputProcessor(tokenizer, source.hf_config, ready.max_model_len)
@@ -211,6 +212,16 @@ class AsyncLLM:
     @property
     def dead_reason(self) -> str | None:
         return self._client.dead_reason or self._failed_reason
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights the engine serves (``"default"`` until weights are updated)."""
+        return "default"
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The ids of the ``generate`` calls in flight (accepted or waiting for acceptance)."""
+        return list(self._streams)
 
     async def generate(
         self,

@@ -23,6 +23,7 @@ from tokenmill.server.context import ServerContext, get_context
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenmill.server.native_routes import native_router
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -192,6 +193,7 @@ def build_app(
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(native_router)  # SGLang's native API: /generate, /model_info, ...
     install_webui(app, settings.webui)  # /metrics.json; the chat page and dashboard unless --no-webui
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_keys:

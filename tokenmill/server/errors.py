@@ -104,11 +104,14 @@ def from_engine_error(exc: Exception, prompt_param: str) -> APIError:
 
 
 def _validation_param(loc: tuple[Any, ...]) -> str:
-    """``("body", "messages", 0, "role")`` → ``messages.0.role``; stops at pydantic's union-branch names."""
+    """``("body", "messages", 0, "role")`` → ``messages.0.role``; stops at pydantic's union-branch names
+    of plain types and skips those of models (capitalised class names)."""
     parts: list[str] = []
     for item in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(item, str) and ("[" in item or item in ("str", "int", "float", "bool", "list", "dict")):
             break
+        if isinstance(item, str) and item[:1].isupper():
+            continue
         parts.append(str(item))
     return ".".join(parts)
 

@@ -16,7 +16,8 @@ from tokenmill.server.openai_protocol import ChatTokenLogprob, CompletionLogprob
 LOGPROB_FLOOR = -9999.0
 
 
-def _value(logprob: Logprob) -> float:
+def logprob_value(logprob: Logprob) -> float:
+    """The logprob as JSON can carry it (-inf becomes ``LOGPROB_FLOOR``)."""
     return max(logprob.logprob, LOGPROB_FLOOR)
 
 
@@ -24,7 +25,8 @@ def _text(logprob: Logprob) -> str:
     return logprob.decoded_token or ""
 
 
-def _top(position: PositionLogprobDict, num_top: int) -> list[tuple[int, Logprob]]:
+def top_candidates(position: PositionLogprobDict, num_top: int) -> list[tuple[int, Logprob]]:
+    """The position's ``num_top`` most likely tokens, best first (the chosen token only if among them)."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
     return ranked[:num_top]
 
@@ -40,11 +42,11 @@ def chat_logprobs(
         entries.append(
             ChatTokenLogprob(
                 token=text,
-                logprob=_value(chosen),
+                logprob=logprob_value(chosen),
                 bytes=list(text.encode()),
                 top_logprobs=[
-                    TopLogprob(token=_text(lp), logprob=_value(lp), bytes=list(_text(lp).encode()))
-                    for _, lp in _top(position, num_top)
+                    TopLogprob(token=_text(lp), logprob=logprob_value(lp), bytes=list(_text(lp).encode()))
+                    for _, lp in top_candidates(position, num_top)
                 ],
             )
         )
@@ -75,8 +77,10 @@ def completion_logprobs(
             chosen = position[token_id]
             text = _text(chosen)
             result.tokens.append(text)
-            result.token_logprobs.append(_value(chosen))
-            result.top_logprobs.append({_text(lp): _value(lp) for _, lp in _top(position, num_top)})
+            result.token_logprobs.append(logprob_value(chosen))
+            result.top_logprobs.append(
+                {_text(lp): logprob_value(lp) for _, lp in top_candidates(position, num_top)}
+            )
         result.text_offset.append(offset)
         offset += len(text)
     return result

@@ -13,7 +13,8 @@ from tokenmill.server.structured_outputs import structured_outputs_from_request
 MAX_TEMPERATURE = 2.0
 
 
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+def logit_bias_from_json(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON's string keys as token ids; a 400 naming ``logit_bias`` for a key that is not one."""
     if raw is None:
         return None
     bias: dict[int, float] = {}
@@ -41,6 +42,9 @@ def build_sampling_params(
         raise bad_request(
             f"temperature must be in [0, {MAX_TEMPERATURE}], got {request.temperature}", param="temperature"
         )
+    if max_tokens is not None and max_tokens < 1:
+        # SamplingParams allows 0 (prompt only, for the native /generate); the OpenAI API does not.
+        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
     values: dict[str, Any] = {
         "n": request.n,
         "max_tokens": max_tokens,
@@ -52,7 +56,7 @@ def build_sampling_params(
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
-        "logit_bias": _logit_bias(request.logit_bias),
+        "logit_bias": logit_bias_from_json(request.logit_bias),
         "skip_special_tokens": request.skip_special_tokens,
     }
     optional = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -239,7 +240,7 @@ def test_export_and_delete(chat: Any) -> None:
     assert chat.locator("#conversations li").count() == count - 1
 
 
-def test_smollm2_answers_sensibly_in_the_page(browser: Any, smollm_server: ServerProcess) -> None:
+def test_smollm2_answers_sensibly_and_follows_constraints_in_the_page(browser: Any, smollm_server: ServerProcess) -> None:
     page, events = open_page(browser)
     page.goto(smollm_server.base_url + "/")  # no API key on this server: no dialog
     page.wait_for_function("() => document.querySelector('#set-model').options.length > 0")
@@ -248,6 +249,19 @@ def test_smollm2_answers_sensibly_in_the_page(browser: Any, smollm_server: Serve
     set_setting(page, "#set-max-tokens", "24")
     answer = send(page, "What is the capital of France?")
     assert "Paris" in answer.locator(".body").inner_text()
+    # Constrained output from the settings panel: a JSON schema, then a regular expression.
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    set_setting(page, "#set-constraint", "json_schema")
+    set_setting(page, "#set-constraint-text", json.dumps(schema))
+    set_setting(page, "#set-max-tokens", "40")
+    send(page, "Which city is the capital of France? Answer in JSON.")
+    set_setting(page, "#set-constraint", "regex")
+    set_setting(page, "#set-constraint-text", "[0-9]{3}-[0-9]{4}")
+    send(page, "Make up a phone number.")
+    stored = page.evaluate("() => JSON.parse(localStorage.getItem('tokenmill.chat.v1'))")["conversations"][0]
+    answers = [m for m in stored["messages"] if m["role"] == "assistant"]
+    assert isinstance(json.loads(answers[1]["content"])["capital"], str)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", answers[2]["content"])
     assert not events.errors and not events.dialogs and not csp_violations(page)
     page.context.close()
 

@@ -240,7 +240,9 @@ def test_export_and_delete(chat: Any) -> None:
     assert chat.locator("#conversations li").count() == count - 1
 
 
-def test_smollm2_answers_sensibly_and_follows_constraints_in_the_page(browser: Any, smollm_server: ServerProcess) -> None:
+def test_smollm2_answers_sensibly_and_follows_constraints_in_the_page(
+    browser: Any, smollm_server: ServerProcess
+) -> None:
     page, events = open_page(browser)
     page.goto(smollm_server.base_url + "/")  # no API key on this server: no dialog
     page.wait_for_function("() => document.querySelector('#set-model').options.length > 0")

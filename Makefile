@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tokenmill-installed
 MODEL ?= smollm2-135m
 
-.PHONY: install serve test lint typecheck unit bench clean
+.PHONY: install browser serve test lint typecheck unit bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m tokenmill.layers.cpu_kernels
 	touch $(STAMP)
 
+# The web UI's browser tests drive Debian's chromium through Playwright for Python (in the dev extra,
+# pointed at /usr/bin/chromium): `playwright install`, which downloads a browser, is never needed.
+browser:
+	test -x /usr/bin/chromium || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+		else sudo apt-get update -q && sudo apt-get install -y -q chromium; fi; }
+
 serve: install
 	$(VENV)/bin/tokenmill serve $(MODEL)
 
@@ -39,7 +46,7 @@ typecheck: install
 unit: install
 	$(PY) -m pytest -q tests/unit
 
-test: install lint typecheck
+test: install browser lint typecheck
 	$(PY) -m pytest -q -x tests
 
 bench: install

@@ -34,6 +34,10 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 AUTO_TIER = "auto"
 DEFAULT_TIER = "default"
 EXECUTOR_BACKENDS = ("inprocess", "mp")
+# What the logprobs of sampled tokens describe (vLLM's names): the model's distribution
+# (log-softmax of the unprocessed logits), or the one the token was drawn from (after logit bias,
+# penalties, grammar, temperature, min-p, top-k and top-p; greedy rows: before temperature).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def attention_backend_choice() -> str:
@@ -295,6 +299,11 @@ class EngineConfig:
     # What runs the model: "inprocess" (this process) or "mp" (one worker child process, plans sent
     # as deltas over ZMQ: executor/multiproc.py).
     executor_backend: str = "inprocess"
+    # RL (docs/architecture.md "RL"): which distribution logprobs describe (LOGPROBS_MODES), and
+    # logprobs equal to a float32 transformers recompute within 1e-4 (float32 weights, KV and
+    # kernels; no quantization).
+    logprobs_mode: str = "raw_logprobs"
+    rl_exact_logprobs: bool = False
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -320,6 +329,7 @@ class EngineConfig:
                 f"executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}"
             )
         self.scheduler.validate()
+        self._validate_logprobs()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
@@ -327,6 +337,20 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory in bytes must be >= 1, got {mem}")
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.cache.num_blocks}")
+
+    def _validate_logprobs(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not self.rl_exact_logprobs:
+            return
+        for name, value in (("dtype", self.model.dtype), ("kv_cache_dtype", self.cache.kv_cache_dtype)):
+            if value not in ("auto", "float32"):
+                raise ValueError(f"rl_exact_logprobs computes in float32; it cannot run with {name}={value}")
+        if self.model.quantization not in (None, "none"):
+            raise ValueError(
+                f"rl_exact_logprobs cannot run with quantization={self.model.quantization}: "
+                "quantized weights change the logprobs"
+            )
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:

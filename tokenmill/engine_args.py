@@ -12,6 +12,7 @@ from tokenmill.config import (
     ADMISSIONS,
     DTYPE_CHOICES,
     EXECUTOR_BACKENDS,
+    LOGPROBS_MODES,
     MODEL_IMPLS,
     CacheConfig,
     ModelConfig,
@@ -290,6 +291,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="sample every token of structured outputs, even where the grammar allows only one",
     )
+    scheduler.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what sampled tokens' logprobs describe: the model's distribution (raw) or the one sampled "
+        "from, after penalties, bias, temperature, top-k/top-p/min-p (processed)",
+    )
+    scheduler.add_argument(
+        "--rl-exact-logprobs",
+        action="store_true",
+        help="compute in float32 so logprobs equal a float32 transformers recompute within 1e-4 (RL)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -330,4 +343,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "fair_output_weight": args.fair_output_weight,
         "jump_forward": not args.no_jump_forward,
         "executor_backend": args.executor_backend,
+        "logprobs_mode": args.logprobs_mode,
+        "rl_exact_logprobs": args.rl_exact_logprobs,
     }

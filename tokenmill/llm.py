@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -23,8 +24,9 @@ from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.loader import resolve_model
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import EngineCoreRequest, UtilityValue
+from tokenmill.protocol import EngineCoreRequest, UtilityBytes, UtilityValue
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.weight_update import serialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,94 @@ class LLM:
         ``UtilityCallError`` for an unknown method, one not supported yet, or one that failed."""
         return complete_now(self.client.call_utility(method, args))
 
+    # ------------------------------------------------------------------ RL: weights, pause, memory
+
+    def update_weights(
+        self,
+        weights: str | dict[str, torch.Tensor],
+        weight_version: str | None = None,
+    ) -> dict[str, UtilityValue]:
+        """Load new weights in place: a safetensors model folder of the same architecture, or named
+        tensors (Hugging Face names, any subset). Raises ``UtilityCallError`` (its message the
+        ValueError's) on a name or shape mismatch, with the old weights intact. The prefix cache
+        starts afresh and the weight version changes (``weight_version`` or the update count)."""
+        if isinstance(weights, str):
+            return self.update_weights_from_disk(weights, weight_version)
+        return self.update_weights_from_tensor(weights, weight_version)
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, UtilityValue]:
+        return self.call_utility(
+            "update_weights_from_disk", model_path=model_path, weight_version=weight_version
+        )
+
+    def update_weights_from_tensor(
+        self, named_tensors: dict[str, torch.Tensor] | bytes, weight_version: str | None = None
+    ) -> dict[str, UtilityValue]:
+        """``named_tensors``: tensors by name, or a safetensors blob of them (never pickle)."""
+        data = named_tensors if isinstance(named_tensors, bytes) else serialize_named_tensors(named_tensors)
+        return self.call_utility(
+            "update_weights_from_tensor",
+            serialized_named_tensors=UtilityBytes(data),
+            weight_version=weight_version,
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict[str, UtilityValue]:
+        """Join a trainer's broadcast group (rank 0 is the trainer, which opens it with
+        ``tokenmill.worker.weight_update.open_weight_group``); blocks until every rank joined."""
+        return self.call_utility(
+            "init_weights_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+        group_name: str | None = None,
+    ) -> dict[str, UtilityValue]:
+        """Receive these tensors from the trainer's broadcasts (in order) and load them."""
+        return self.call_utility(
+            "update_weights_from_distributed",
+            names=list(names),
+            dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+            shapes=[list(s) for s in shapes],
+            weight_version=weight_version,
+            group_name=group_name,
+        )
+
+    def get_weight_version(self) -> str:
+        return str(self.call_utility("get_weight_version")["weight_version"])
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, UtilityValue]:
+        """Stop taking steps (``abort``, ``in_place`` or ``retract``: ``core/pause.py``)."""
+        return self.call_utility("pause_generation", mode=mode)
+
+    def continue_generation(self) -> dict[str, UtilityValue]:
+        return self.call_utility("continue_generation")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, UtilityValue]:
+        return self.call_utility("release_memory_occupation", tags=list(tags) if tags else None)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, UtilityValue]:
+        return self.call_utility("resume_memory_occupation", tags=list(tags) if tags else None)
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -114,6 +204,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream generates one completion; n must be 1, got {params.n}")
+        self._check_not_paused()
         text, token_ids = self._encode(prompt)
         request_id = str(next(self._ids))
         core_requests = self.input_processor.make_requests(request_id, token_ids, params)
@@ -134,6 +225,11 @@ class LLM:
                 self.client.abort_requests(self.output_processor.abort(request_id))
 
     # ------------------------------------------------------------------ internals
+
+    def _check_not_paused(self) -> None:
+        """This thread drives the steps: while paused nothing would ever finish, so refuse."""
+        if self.engine.pause.blocks_steps:
+            raise ValueError("the engine is paused or its memory released; continue_generation first")
 
     def _admit(self, request_id: str, core_requests: list[EngineCoreRequest]) -> None:
         """Admit one prompt's samples all or none; on a refusal forget it and raise ValueError."""
@@ -169,6 +265,7 @@ class LLM:
                 )
         for (_, token_ids), params in zip(encoded, params_list):
             self.input_processor.check_prompt(token_ids, params)
+        self._check_not_paused()
 
         order: list[str] = []
         try:

@@ -29,6 +29,8 @@ class CompletionOutput:
     logprobs: list[PositionLogprobDict] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The weight version that produced each token (RL: tokens from before an update are off-policy).
+    weight_versions: list[str] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

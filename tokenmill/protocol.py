@@ -79,6 +79,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # The weight version (``get_weight_version``) of the step that produced ``new_token_ids``.
+    weight_version: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):
@@ -119,12 +121,34 @@ class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
     request_ids: list[str]
 
 
-# A utility call's arguments and its result's values: plain scalars, so both cross as msgpack.
-UtilityValue = int | float | bool | str | None
-# The utility methods the engine core answers (``EngineCore.call_utility``), and those reserved for
-# features to come, which it refuses with "not supported yet" rather than with "unknown".
-UTILITY_METHODS = ("reset_prefix_cache", "kv_stats")
-RESERVED_UTILITY_METHODS = ("update_weights", "pause", "resume", "load_lora", "unload_lora")
+class UtilityBytes(msgspec.Struct, tag="bytes"):
+    """Raw bytes as a utility argument (a safetensors blob of named tensors): msgpack ``bin``, never
+    pickle. A wrapper, because msgspec cannot tell ``str`` from ``bytes`` in one union."""
+
+    data: bytes
+
+
+# A utility call's arguments and its result's values: scalars, flat lists (tensor names, dtypes)
+# and lists of int lists (shapes), or bytes; all cross as msgpack.
+UtilityValue = int | float | bool | str | list[int | float | str | list[int]] | UtilityBytes | None
+# The utility methods the engine core answers (``EngineCore.call_utility``; the RL ones are in
+# core/weights.py and core/pause.py), and those reserved for features to come, which it refuses
+# with "not supported yet" rather than with "unknown".
+UTILITY_METHODS = (
+    "reset_prefix_cache",
+    "kv_stats",
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+    "get_weight_version",
+    "pause_generation",
+    "continue_generation",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+)
+RESERVED_UTILITY_METHODS = ("load_lora", "unload_lora")
 
 
 class UtilityCall(msgspec.Struct, tag="call", kw_only=True):

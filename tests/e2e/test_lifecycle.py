@@ -74,9 +74,13 @@ def test_killed_engine_fails_fast(tiny_model_dir: str) -> None:
             assert answered.json()["error"]["code"] == "engine_fault"
             # Afterwards: health fails and new work is refused at once with 503.
             assert (await http.get("/health")).status_code == 503
+            health_generate = await http.get("/health_generate")
+            assert health_generate.status_code == 503
+            assert health_generate.json()["error"]["code"] == "engine_unavailable"
             for path, body in [
                 ("/v1/completions", SHORT),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "<5>"}]}),
+                ("/generate", {"text": "<5>"}),
             ]:
                 refused = await http.post(path, json=body)
                 assert refused.status_code == 503

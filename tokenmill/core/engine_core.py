@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.kv.manager import KVCacheManager
+from tokenmill.core.pause import PauseControl
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput, StepStatus
+from tokenmill.core.weights import EngineWeights, UtilityHandler
 from tokenmill.executor.factory import make_executor
 from tokenmill.loader import ModelSource
 from tokenmill.protocol import (
@@ -122,6 +124,17 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, jump_forward=config.jump_forward
         )
+        # RL: weight updates in place and their version (core/weights.py), pause and memory
+        # release (core/pause.py); outputs those calls produced, sent with the next step's.
+        self.pause = PauseControl(self)
+        self.weights = EngineWeights(self.executor, self.kv_manager, self.settle_step, self.pause.abort_all)
+        self._queued_outputs: list[EngineCoreOutput] = []
+        self._utilities: dict[str, UtilityHandler] = {
+            "reset_prefix_cache": lambda args: {"success": self.reset_prefix_cache()},
+            "kv_stats": lambda args: self.kv_stats(),
+            **self.weights.handlers(),
+            **self.pause.handlers(),
+        }
         logger.info(
             "engine ready: max_model_len=%d, %d KV tokens, prefix caching %s",
             self.max_model_len,
@@ -179,6 +192,8 @@ class EngineCore:
         bad = [t for t in bias if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if self.pause.released:
+            raise ValueError("the engine's memory is released; resume_memory_occupation first")
         request = Request(core_request, self.max_model_len)
         if request.sampling_params.structured_outputs is not None:
             request.grammar = self.structured.new_state(request)
@@ -194,9 +209,44 @@ class EngineCore:
         return self.scheduler.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step has work: outputs queued by a utility call, or requests while not paused."""
+        if self._queued_outputs:
+            return True
+        if self.pause.blocks_steps:
+            return False
         return self.scheduler.has_unfinished() or self._second_pass is not None or self._paused is not None
 
     def step(self) -> EngineCoreOutputs:
+        """One step (none while paused: ``core/pause.py``), with the outputs utility calls queued
+        first; each output carries the weight version that produced its tokens."""
+        if self.pause.blocks_steps:
+            step = self._outputs([], 0, self.scheduler.num_forced_tokens_total)
+        else:
+            step = self._step()
+        if self._queued_outputs:
+            step.outputs[:0], self._queued_outputs = self._queued_outputs, []
+        self._tag_weight_version(step.outputs)
+        return step
+
+    def settle_step(self) -> None:
+        """Run the step under way to its end (a step paused between layers, a split step's second
+        pass), queueing its outputs; then nothing is half computed (before a pause or an update)."""
+        while self._paused is not None or self._second_pass is not None:
+            outputs = self._step().outputs
+            self._tag_weight_version(outputs)
+            self._queued_outputs += outputs
+
+    def queue_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Send ``outputs`` with the next step's (a utility call's finished requests)."""
+        self._tag_weight_version(outputs)
+        self._queued_outputs += outputs
+
+    def _tag_weight_version(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            if output.weight_version is None and output.new_token_ids:
+                output.weight_version = self.weights.version
+
+    def _step(self) -> EngineCoreOutputs:
         if self._paused is not None:
             return self._step_while_paused(self._paused)
         if (
@@ -251,7 +301,7 @@ class EngineCore:
             self.num_replanned_steps += 1
             aborted, self._aborted_while_paused = self._aborted_while_paused, []
             self.scheduler.abort(aborted)
-            return self.step()
+            return self._step()
         forced_before = self.scheduler.num_forced_tokens_total
         if paused.arrival_passes < MAX_ARRIVAL_PASSES_PER_PAUSE:
             arrivals = self._arrivals_pass()
@@ -418,12 +468,12 @@ class EngineCore:
 
         Raises ValueError for an unknown method, and for one reserved for a later feature
         (``RESERVED_UTILITY_METHODS``) one saying it is not supported yet; whatever the method itself
-        raises propagates. The engine process turns either into a ``UtilityResult`` error.
+        raises propagates. The engine process turns either into a ``UtilityResult`` error. The RL
+        methods (weights, pause, memory) are ``core/weights.py``'s and ``core/pause.py``'s.
         """
-        if method == "reset_prefix_cache":
-            return {"success": self.reset_prefix_cache()}
-        if method == "kv_stats":
-            return self.kv_stats()
+        handler = self._utilities.get(method)
+        if handler is not None:
+            return handler(args or {})
         if method in RESERVED_UTILITY_METHODS:
             raise ValueError(f"the engine does not support {method!r} yet")
         known = ", ".join(UTILITY_METHODS)
@@ -441,6 +491,8 @@ class EngineCore:
             "num_interrupted_steps": self.num_interrupted_steps,
             "num_paused_steps": self.num_paused_steps,
             "num_replanned_steps": self.num_replanned_steps,
+            "weight_version": self.weights.version,
+            "paused": self.pause.blocks_steps,
             **{f"num_running_{tier}": n for tier, n in scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in scheduler.waiting.waiting_by_tier().items()},
         }

@@ -32,10 +32,16 @@ from tokenmill.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.step_cuts import PrefixEstimate, StepCuts
 from tokenmill.loader import ModelSource, resolve_model
-from tokenmill.protocol import EngineCoreOutputs
+from tokenmill.protocol import EngineCoreOutputs, UtilityValue
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineFaultError", "RequestRejectedError"]
+__all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineFaultError",
+    "EngineMemoryReleasedError",
+    "RequestRejectedError",
+]
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("tokenmill.requests")
@@ -43,6 +49,11 @@ request_logger = logging.getLogger("tokenmill.requests")
 
 class EngineFaultError(RuntimeError):
     """The engine failed or died while this request was in flight."""
+
+
+class EngineMemoryReleasedError(EngineDeadError):
+    """The engine's memory is released for a trainer (``release_memory_occupation``): no request is
+    served until ``resume_memory_occupation`` (HTTP 503, as for an engine that is not available)."""
 
 
 class RequestRejectedError(ValueError):
@@ -160,6 +171,9 @@ class AsyncLLM:
         self._closed = False
         # Why this frontend failed its requests, when it did so on its own (its dispatch broke).
         self._failed_reason: str | None = None
+        # What release_memory_occupation freed and resume_memory_occupation has not brought back.
+        self.memory_released = ""
+        self._weight_version = "default"
         self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name="tokenmill-output-dispatch")
 
     # ------------------------------------------------------------------ start-up
@@ -215,8 +229,9 @@ class AsyncLLM:
 
     @property
     def weight_version(self) -> str:
-        """The version of the weights the engine serves (``"default"`` until weights are updated)."""
-        return "default"
+        """The version of the weights the engine serves (``"default"`` until weights are updated):
+        the latest of an update's answer and the version the engine's last tokens carried."""
+        return self._weight_version
 
     @property
     def request_ids(self) -> list[str]:
@@ -246,6 +261,10 @@ class AsyncLLM:
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self.memory_released:
+            raise EngineMemoryReleasedError(
+                f"its memory ({self.memory_released}) is released for training; resume_memory_occupation first"
+            )
         core_requests = self.input_processor.make_requests(
             request_id,
             prompt_token_ids,
@@ -357,12 +376,20 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ utility calls
 
-    async def call_utility(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
+    async def call_utility(
+        self, method: str, args: dict[str, UtilityValue] | None = None, timeout: float = 30.0
+    ) -> dict[str, Any]:
         """Run an engine method by name between steps and return its result dict
         (``EngineCoreClient.call_utility``; ``UtilityCallError`` when it fails)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        return await asyncio.wait_for(self._client.call_utility(method), timeout)
+        result = await asyncio.wait_for(self._client.call_utility(method, args), timeout)
+        if method in ("release_memory_occupation", "resume_memory_occupation"):
+            self.memory_released = str(result.get("released") or "")
+        version = result.get("weight_version")
+        if isinstance(version, str):
+            self._weight_version = version
+        return result
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache; False while running requests still hold cached blocks."""
@@ -409,6 +436,8 @@ class AsyncLLM:
             if stream is None:
                 continue
             touched[stream.state.request_id] = stream
+            if output.weight_version is not None:
+                self._weight_version = output.weight_version
             if output.error is not None:
                 stream.error = EngineFaultError(f"the engine failed on this request: {output.error}")
             self._observe_tokens(stream, output.request_id, len(output.new_token_ids), now)

@@ -33,6 +33,8 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The weight version that produced each of token_ids (RL: a trainer masks off-policy tokens).
+    weight_versions: list[str] = field(default_factory=list)
     # How much of token_ids / text / logprobs the streaming caller has already sent.
     sent_tokens: int = 0
     sent_text: int = 0
@@ -47,6 +49,7 @@ class SampleState:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            weight_versions=list(self.weight_versions),
         )
 
 
@@ -168,6 +171,7 @@ class OutputProcessor:
 
     def _apply_tokens(self, sample: SampleState, output: EngineCoreOutput) -> None:
         sample.token_ids.extend(output.new_token_ids)
+        sample.weight_versions += [output.weight_version or ""] * len(output.new_token_ids)
         if output.new_logprobs is not None and sample.logprobs is not None:
             for position in output.new_logprobs:
                 sample.logprobs.append(self._logprob_dict(position))

@@ -33,6 +33,10 @@ from tokenmill.sample.logits_processors import (
 )
 from tokenmill.sample.metadata import SamplerOutput, SamplingMetadata
 
+# The logprob reported under ``processed_logprobs`` for a token the row could not draw (top-k,
+# top-p or min-p removed it): finite, so every client can encode it.
+PROCESSED_FLOOR = -1e4
+
 
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
@@ -115,8 +119,16 @@ class Sampler(torch.nn.Module):
     Contract: ``forward`` may overwrite ``logits`` in place (callers that need them later pass a copy);
     rows are independent; greedy rows (temperature 0) are deterministic, and a row with a generator in
     ``metadata.generators`` gets the same token for the same logits and generator state whatever else
-    is in the batch. Reported logprobs come from the unprocessed logits.
+    is in the batch. Reported logprobs follow ``logprobs_mode``: ``raw_logprobs`` (the default) are
+    the unprocessed logits' log-softmax; ``processed_logprobs`` are those of the distribution each
+    token was drawn from (after bias, penalties, grammar, temperature, min-p, top-k, top-p; a greedy
+    row's after bias, penalties and grammar), what an RL trainer's importance ratios need. Tokens a
+    row cannot draw have logprob ``PROCESSED_FLOOR`` rather than -inf, which JSON cannot carry.
     """
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         processors = _shared_processors(metadata)
@@ -125,32 +137,45 @@ class Sampler(torch.nn.Module):
             # one; skipping the copy saves a [num_rows, vocab] float32 tensor per step.
             return SamplerOutput(greedy_tokens(logits), None, None, None)
         logits = logits.float()  # [num_rows, vocab]
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        wants_logprobs = metadata.max_num_logprobs is not None
+        logprobs = None
+        if wants_logprobs and not self.processed_logprobs:
+            logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
 
         for process in processors:
             logits = process(logits)
-        sampled = self._sample(logits, metadata)  # [num_rows]
+        keep = wants_logprobs and self.processed_logprobs
+        sampled, final_logits = self._sample(logits, metadata, keep)  # [num_rows]
+        if final_logits is not None:
+            # [num_rows, vocab]
+            logprobs = torch.log_softmax(final_logits, dim=-1).clamp_min_(PROCESSED_FLOOR)
 
-        if raw_logprobs is None:
+        if logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         assert metadata.max_num_logprobs is not None
-        ids, values, ranks = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        ids, values, ranks = gather_logprobs(logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, ids, values, ranks)
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, keep: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens, and with ``keep`` the logits each row's token was drawn from."""
         if metadata.all_greedy:
-            return greedy_tokens(logits)  # [num_rows]
+            return greedy_tokens(logits), logits if keep else None  # [num_rows]
         # Greedy first: the random path below edits ``logits`` in place.
         greedy = None if metadata.all_random else greedy_tokens(logits)  # [num_rows]
-        sampled = self._sample_random(logits, metadata)  # [num_rows]
+        greedy_logits = logits.clone() if keep and greedy is not None else None  # [num_rows, vocab]
+        sampled, drawn_from = self._sample_random(logits, metadata)  # [num_rows]
         if greedy is None:
-            return sampled
-        return torch.where(metadata.temperature == 0.0, greedy, sampled)
+            return sampled, drawn_from if keep else None
+        is_greedy = metadata.temperature == 0.0  # [num_rows]
+        tokens = torch.where(is_greedy, greedy, sampled)
+        if greedy_logits is None:
+            return tokens, None
+        return tokens, torch.where(is_greedy[:, None], greedy_logits, drawn_from)
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         temperature = metadata.temperature  # [num_rows]
         if not metadata.all_random:
             # Greedy rows' draws are discarded; 1.0 just keeps them finite.
@@ -162,7 +187,7 @@ class Sampler(torch.nn.Module):
 
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
         uniforms = row_uniforms(probs.shape[0], metadata.generators, logits.device)  # [num_rows]
-        return sample_from_probs(probs, uniforms)  # [num_rows]
+        return sample_from_probs(probs, uniforms), logits  # [num_rows], [num_rows, vocab]
 
 
 def _shared_processors(metadata: SamplingMetadata) -> list[Callable[[torch.Tensor], torch.Tensor]]:

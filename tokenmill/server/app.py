@@ -32,9 +32,11 @@ from tokenmill.server.openai_protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tokenmill.server.rl_routes import router as rl_router
 from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
 from tokenmill.server.serving_completions import create_completion
 from tokenmill.server.settings import ServerSettings
+from tokenmill.server.webui import install_webui, public_paths
 
 Context = Annotated[ServerContext, Depends(get_context)]
 router = APIRouter()
@@ -193,8 +195,13 @@ def build_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(native_router)  # SGLang's native API: /generate, /model_info, ...
+    app.include_router(rl_router)  # weight updates, pause, memory release (RL)
+    install_webui(app, settings.webui)  # /metrics.json; the chat page and dashboard unless --no-webui
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.
-        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+        paths, prefixes = public_paths(settings.webui)  # the pages (no data) open; what they call guarded
+        app.add_middleware(
+            APIKeyMiddleware, api_keys=settings.api_keys, public_paths=paths, public_prefixes=prefixes
+        )
     return app

@@ -67,6 +67,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGINT/SIGTERM"
     )
+    server.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="do not serve the chat page at / and the dashboard at /dashboard (/metrics.json stays)",
+    )
     chat = parser.add_argument_group("tool calls and reasoning")
     chat.add_argument(
         "--tool-call-parser",
@@ -103,6 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        webui=args.webui,
     )
 
 

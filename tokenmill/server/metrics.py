@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenmill.frontend.async_llm import AsyncLLM, FinishedRequestStats
+from tokenmill.server.live_metrics import LatencyWindow
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -140,10 +141,12 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.recent_ttft = LatencyWindow()  # the last minute's TTFTs, for the dashboard's percentiles
 
     # StatsListener: latencies are labelled by service tier, so each tier's targets can be watched.
     def on_first_token(self, seconds: float, service_tier: str) -> None:
         self.ttft.labels(self.model_name, service_tier).observe(seconds)
+        self.recent_ttft.add(seconds, service_tier)
 
     def on_inter_token(self, seconds: float, service_tier: str) -> None:
         self.itl.labels(self.model_name, service_tier).observe(seconds)

@@ -33,14 +33,24 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 class APIKeyMiddleware:
     """Require ``Authorization: Bearer <key>`` with one of ``api_keys`` on every route but
-    ``UNAUTHENTICATED_PATHS``. Each key is also a fair-share identity (``server/identity.py``)."""
+    ``UNAUTHENTICATED_PATHS``, ``public_paths`` and paths under ``public_prefixes`` (the web UI's
+    pages). Each key is also a fair-share identity (``server/identity.py``)."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: list[str],
+        public_paths: frozenset[str] = frozenset(),
+        public_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        self.public_paths = UNAUTHENTICATED_PATHS | public_paths
+        self.public_prefixes = public_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNAUTHENTICATED_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in self.public_paths or path.startswith(self.public_prefixes):
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization") or b""

@@ -52,6 +52,9 @@ class OutputShaper:
             "completion_tokens": len(sample.token_ids),
             "cached_tokens": state.num_cached_tokens,
             "weight_version": self.weight_version,
+            # Per output token, the weight version that produced it (RL: a trainer masks tokens
+            # sampled before an update as off-policy).
+            "output_token_weight_versions": list(sample.weight_versions),
         }
         if options.return_logprob:
             meta.update(self._logprobs(state, sample, options))

@@ -37,6 +37,7 @@ from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draw
 from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress, StepControl
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
+from tokenmill.worker.weight_update import WeightUpdater, drop_derived_weights
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.device = torch.device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype("float32" if config.rl_exact_logprobs else config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.interrupt: InterruptFlag | None = None  # see set_interrupt
         self.interrupt_tensor: torch.Tensor | None = None
@@ -97,13 +98,7 @@ class ModelRunner:
             self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
-            quantized = self._quantize(config.model.quantization)
-            exact_int4, exact_q8 = self._keep_exact_copies() if config.model.quantization is None else (0, 0)
-            # Children first: the model's own step collects what its layers prepared (packed weights).
-            for module in reversed(list(self.model.modules())):
-                prepare = getattr(module, "prepare_for_inference", None)
-                if prepare is not None:
-                    prepare()
+            quantized, exact_int4, exact_q8 = self._derive_weights()
             description = f"native {model_class.__name__}" + (
                 f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
             )
@@ -162,10 +157,28 @@ class ModelRunner:
         # What the KV manager may release: blocks outside the widest window, when no layer is global.
         windows = self.layer_sliding_windows
         self.kv_window: int | None = None if None in windows else max(w for w in windows if w is not None)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
         self._generators: dict[str, torch.Generator] = {}
         # The step the interrupt paused between layers, until the engine resumes or discards it.
         self._paused: SuspendedStep | None = None
+        # Weight updates in place and memory release for RL (worker/weight_update.py).
+        self.weights = WeightUpdater(self.model, source, self._rederive_weights, self.device)
+        self._kv_dtype = kv_dtype
+        self._released_weights: dict[str, torch.Size] | None = None
+
+    def _derive_weights(self) -> tuple[int, int, int]:
+        """Derive what the layers keep beside their loaded weights: quantized copies (or the exact
+        int4 / 8-bit ones), then packed matrices and fused stacks. Returns the quantized layers, the
+        exact int4 layers and the exact 8-bit heads. Run at load and after every weight update."""
+        kind = self.config.model.quantization
+        quantized = self._quantize(kind)
+        exact_int4, exact_q8 = self._keep_exact_copies() if kind is None else (0, 0)
+        # Children first: the model's own step collects what its layers prepared (packed weights).
+        for module in reversed(list(self.model.modules())):
+            prepare = getattr(module, "prepare_for_inference", None)
+            if prepare is not None:
+                prepare()
+        return quantized, exact_int4, exact_q8
 
     def _quantize(self, kind: str | None) -> int:
         """Quantize every layer that supports it; returns how many did (0 without quantization). A
@@ -201,6 +214,87 @@ class ModelRunner:
             if isinstance(module, LMHead) and module.keep_exact_q8():
                 heads += 1
         return layers, heads
+
+    # ------------------------------------------------------------------ weights and memory (RL)
+
+    def _rederive_weights(self) -> None:
+        drop_derived_weights(self.model)
+        self._derive_weights()
+
+    def _check_updatable(self) -> None:
+        if self.model_impl != "native":
+            raise ValueError("weight updates need model_impl='native' (the transformers fallback has none)")
+        if self._released_weights is not None:
+            raise ValueError("the weights are released; resume_memory_occupation first")
+
+    def update_weights_from_disk(self, folder: str) -> int:
+        """Load every tensor of the safetensors model folder ``folder`` (same architecture); returns
+        how many. ValueError, with the old weights intact, on a name or shape mismatch."""
+        self._check_updatable()
+        return self.weights.load_folder(folder)
+
+    def update_weights_from_tensor(self, data: bytes) -> int:
+        """Load the named tensors of one safetensors blob; returns how many (ValueError as above)."""
+        self._check_updatable()
+        return self.weights.load_safetensors_bytes(data)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Join the trainer's weight-broadcast group (``open_weight_group``) as rank ``rank_offset``
+        (this runner is the executor's only rank)."""
+        self.weights.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.weights.destroy_group(group_name)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str | None
+    ) -> int:
+        """Receive the named tensors the trainer (rank 0) broadcasts, in order, then load them."""
+        self._check_updatable()
+        return self.weights.receive_broadcast(names, dtypes, shapes, group_name)
+
+    def release_memory(self, kv_cache: bool, weights: bool) -> None:
+        """Free the KV cache tensors and/or the weights (for a trainer sharing the machine); the
+        engine runs no step until ``resume_memory``."""
+        if kv_cache and self.kv_caches:
+            self.kv_caches = []
+            self.kv_prefaulter = None
+        if weights and self.model_impl != "native":
+            raise ValueError("releasing the weights needs model_impl='native' (they are reloaded through it)")
+        if weights and self._released_weights is None:
+            self._released_weights = {n: p.shape for n, p in self.model.named_parameters()}
+            drop_derived_weights(self.model)
+            for parameter in self.model.parameters():
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=self.device)
+
+    def resume_memory(self, kv_cache: bool, weights: bool) -> None:
+        """Allocate what ``release_memory`` freed again: an empty KV cache of the same size, and the
+        weights of the folder they last came from whole (push newer ones with an update)."""
+        if weights and self._released_weights is not None:
+            for name, parameter in self.model.named_parameters():
+                parameter.data = torch.empty(
+                    self._released_weights[name], dtype=parameter.dtype, device=self.device
+                )
+            self._released_weights = None
+            self.weights.reload()
+        if kv_cache and not self.kv_caches:
+            self.kv_caches = allocate_kv_caches(
+                self.num_blocks,
+                num_layers=self.model.num_layers,
+                block_size=self.block_size,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=self.model.head_dim,
+                dtype=self._kv_dtype,
+                device=self.device,
+            )
 
     # ------------------------------------------------------------------ one step
 

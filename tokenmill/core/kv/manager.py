@@ -87,6 +87,7 @@ class KVCacheManager:
         self._peeked_version = -1
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.weight_generation = 0  # bumped by every weight update (start_weight_generation)
 
     @property
     def num_blocks(self) -> int:
@@ -115,9 +116,24 @@ class KVCacheManager:
     def has_allocation(self, request_id: str) -> bool:
         return request_id in self._allocations
 
-    @staticmethod
-    def namespace(request: Request) -> tuple[str | None, ...]:
-        return (request.cache_salt,)
+    def namespace(self, request: Request) -> tuple[str | int | None, ...]:
+        """A request's radix namespace: its cache salt and the weights' generation, so KV computed
+        under other weights is never matched (``start_weight_generation``)."""
+        return (request.cache_salt, self.weight_generation)
+
+    def start_weight_generation(self, generation: int) -> int:
+        """New weights from now on: KV computed before is stale. Every live allocation stops
+        publishing to the tree (its blocks, possibly part old and part new, are its own until it
+        ends) and unlocks its path; then the tree drops every block, and lookups use the new
+        generation's namespace. Returns how many blocks became free."""
+        self.weight_generation = generation
+        self._peeked.clear()
+        for allocation in self._allocations.values():
+            if allocation.locked_node is not None:
+                self.radix.unlock(allocation.locked_node)
+                allocation.locked_node = None
+            allocation.detached = True
+        return self.radix.reset() if self.radix is not None else 0
 
     def match_prefix(self, request: Request) -> int:
         """Take the longest cached prefix of ``request``'s tokens; returns its length in tokens.
@@ -253,8 +269,10 @@ class KVCacheManager:
         assert not allocation.block_ids, "share_prefix needs an empty allocation"
         source = self._allocations[source_id]
         num_shared = min(num_tokens // self.block_size, len(source.block_ids))
-        if source.num_released:
-            num_shared = 0  # the source no longer holds the start of the prefix: compute it afresh
+        if source.num_released or source.detached:
+            # The source no longer holds the start of the prefix, or holds it under older weights:
+            # compute it afresh.
+            num_shared = 0
         shared = source.block_ids[:num_shared]
         self.pool.incref(shared)
         allocation.block_ids = list(shared)

@@ -67,6 +67,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGINT/SIGTERM"
     )
+    server.add_argument(
+        "--unknown-fields",
+        default="reject",
+        choices=["reject", "warn"],
+        help="unknown fields in chat/completions requests: 'reject' answers 400 naming the field; 'warn' "
+        "logs their names, ignores them and lists them in the X-Ignored-Fields response header",
+    )
     chat = parser.add_argument_group("tool calls and reasoning")
     chat.add_argument(
         "--tool-call-parser",
@@ -103,6 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        unknown_fields=args.unknown_fields,
     )
 
 

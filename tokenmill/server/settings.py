@@ -26,6 +26,7 @@ class ServerSettings:
     shutdown_timeout: float = 5.0
     tool_call_parser: str | None = None  # None: detected from the chat template / architecture
     reasoning_parser: str | None = None  # None: reasoning stays in the content
+    unknown_fields: str = "reject"  # unknown OpenAI request fields: "reject" (400) or "warn" (ignored)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -27,21 +27,18 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir: str) -> Iterator[list[ServerProcess]]:
-    """Two servers, started side by side; the second ignores unknown fields (``--unknown-fields warn``)."""
+    """Two servers; the second ignores unknown fields (``--unknown-fields warn``). Started one after
+    the other from this thread: a server gets SIGTERM when the thread that started it ends."""
     args = [*TINY_ARGS, "--served-model-name", "tiny", "--log-level", "warning"]
-    with ThreadPoolExecutor(2) as pool:
-        starting = [
-            pool.submit(ServerProcess, tiny_model_dir, args),
-            pool.submit(ServerProcess, tiny_model_dir, [*args, "--unknown-fields", "warn"]),
-        ]
-    started = [f.result() for f in starting if f.exception() is None]
-    if len(started) < 2:
-        for server in started:
-            server.stop()
-        raise next(f.exception() for f in starting if f.exception() is not None)  # type: ignore[misc]
-    yield started
-    for server in started:
-        server.stop()
+    first = ServerProcess(tiny_model_dir, args)
+    try:
+        second = ServerProcess(tiny_model_dir, [*args, "--unknown-fields", "warn"])
+    except Exception:
+        first.stop()
+        raise
+    yield [first, second]
+    first.stop()
+    second.stop()
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from tokenmill.server.errors import APIError, bad_request, install_error_handler
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from tokenmill.server.native_routes import native_router
+from tokenmill.server.openai_extensions import check_unknown_fields, with_ignored_fields
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -70,12 +71,14 @@ async def get_model(model_id: str, ctx: Context) -> JSONResponse:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, ctx: Context) -> Response:
-    return await create_chat_completion(body, raw, ctx)
+    ignored = check_unknown_fields(body, ctx.settings.unknown_fields)
+    return with_ignored_fields(await create_chat_completion(body, raw, ctx), ignored)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request, ctx: Context) -> Response:
-    return await create_completion(body, raw, ctx)
+    ignored = check_unknown_fields(body, ctx.settings.unknown_fields)
+    return with_ignored_fields(await create_completion(body, raw, ctx), ignored)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -73,6 +73,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not serve the chat page at / and the dashboard at /dashboard (/metrics.json stays)",
     )
+    server.add_argument(
+        "--unknown-fields",
+        default="reject",
+        choices=["reject", "warn"],
+        help="unknown fields in chat/completions requests: 'reject' answers 400 naming the field; 'warn' "
+        "logs their names, ignores them and lists them in the X-Ignored-Fields response header",
+    )
     chat = parser.add_argument_group("tool calls and reasoning")
     chat.add_argument(
         "--tool-call-parser",
@@ -110,6 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         webui=args.webui,
+        unknown_fields=args.unknown_fields,
     )
 
 

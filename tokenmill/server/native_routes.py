@@ -2,6 +2,7 @@
 
 - ``POST /generate`` (``serving_generate.py``);
 - ``GET /model_info`` and ``/get_model_info``: ``model_path``, ``tokenizer_path``, ``is_generation``...;
+- ``GET /get_load``: running and waiting requests and KV tokens in use (SGLang's router polls it);
 - ``GET /server_info`` and ``/get_server_info``: the server's settings and the engine's configuration
   and sizes as JSON (never the API keys);
 - ``GET /health_generate``: 200 once a one-token generation went through, 503 when it cannot;
@@ -102,6 +103,26 @@ def server_info(ctx: ServerContext) -> dict[str, Any]:
         "server_settings": settings,
         "engine_config": dataclasses.asdict(config),
     }
+
+
+@native_router.get("/get_load")
+async def get_load(ctx: Context) -> list[dict[str, int]]:
+    """SGLang's load report, one entry per data-parallel rank: requests and KV tokens in use.
+
+    SGLang's router polls it and reads ``num_tokens`` as the worker's load.
+    """
+    try:
+        kv = await ctx.engine.kv_stats()
+    except EngineDeadError as exc:
+        raise _unavailable(f"the engine is not available: {exc}") from None
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": int(kv["num_running"]) + int(kv["num_waiting"]),
+            "num_waiting_reqs": int(kv["num_waiting"]),
+            "num_tokens": int(kv["blocks_in_use"]) * int(kv["block_size"]),
+        }
+    ]
 
 
 @native_router.get("/server_info")

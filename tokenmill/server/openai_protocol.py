@@ -1,11 +1,13 @@
 """Pydantic models of the OpenAI API as tokenmill serves it: request bodies and response shapes.
 
 Request models forbid unknown fields, so a misspelt parameter is a 400 naming it rather than being
-silently ignored. Fields OpenAI clients commonly send that have no effect here (``store``,
+silently ignored; chat and text completions keep unknown top-level fields for the server's
+``--unknown-fields`` policy (``reject``: that 400; ``warn``: ignored and listed in ``X-Ignored-Fields``). Fields OpenAI clients commonly send that have no effect here (``store``,
 ``metadata``...) are accepted and ignored; ``user`` names whose fair share a request uses and
 ``service_tier`` picks its scheduling tier (echoed in the response). Extensions beyond OpenAI follow
 vLLM's names (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``priority``: lower values first...); ``timeout`` (seconds) ends a request that
+``stop_token_ids``, ``priority``: lower values first...) and SGLang's (``regex``, ``ebnf``,
+``no_stop_trim``, ``rid``, ``separate_reasoning``...: see ``openai_extensions.py``); ``timeout`` (seconds) ends a request that
 is still running or waiting with ``finish_reason: "length"`` and ``stop_reason: "timeout"``.
 Response models are built by the serving code and dumped with every field, as OpenAI does.
 """
@@ -13,7 +15,7 @@ Response models are built by the serving code and dumped with every field, as Op
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +67,28 @@ class SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # SGLang's extensions (see server/openai_extensions.py): regex / ebnf constraints, keeping the
+    # stop string, the request id; the fields in UNSUPPORTED are a 400 when set.
+    regex: str | None = None
+    ebnf: str | None = None
+    no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
+    rid: str | None = None
+    lora_path: Any = None
+    return_hidden_states: bool = False
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "lora_path",
+        "return_hidden_states",
+        "use_beam_search",
+        "allowed_token_ids",
+        "bad_words",
+        "truncate_prompt_tokens",
+    )
 
 
 class ChatMessage(_Strict):
@@ -78,6 +102,9 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # Unknown top-level fields are kept here and refused (or ignored) by --unknown-fields.
+    model_config = ConfigDict(extra="allow")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -90,12 +117,17 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(extra="allow")
+
     prompt: PromptField
     max_tokens: int | None = 16
     logprobs: int | None = None

@@ -60,12 +60,13 @@ def build_sampling_params(
         "seed": request.seed,
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
-        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "include_stop_str_in_output": request.include_stop_str_in_output or request.no_stop_trim,
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "logit_bias": logit_bias_from_json(request.logit_bias),
         "skip_special_tokens": request.skip_special_tokens,
+        "spaces_between_special_tokens": request.spaces_between_special_tokens,
     }
     optional = {
         "temperature": request.temperature,

@@ -25,6 +25,7 @@ from tokenmill.server.context import (
 )
 from tokenmill.server.errors import bad_request, from_engine_error
 from tokenmill.server.logprobs import chat_logprobs
+from tokenmill.server.openai_extensions import check_extensions, request_id_for
 from tokenmill.server.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -117,7 +118,18 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     ctx.check_alive()
     ctx.check_model(body.model)
     _check_supported(body)
+    check_extensions(body, ctx)
     tool_plan = plan_chat_tools(body, ctx)
+    if not body.separate_reasoning:
+        tool_plan.reasoning_parser = None  # the reasoning stays in the content
+    if not body.stream_reasoning and body.stream and tool_plan.reasoning_parser is not None:
+        raise bad_request(
+            "stream_reasoning false is not supported: reasoning streams as reasoning_content deltas",
+            param="stream_reasoning",
+        )
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
+        template_kwargs["continue_final_message"] = True
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=num_top, prompt_param="messages")
@@ -129,10 +141,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         add_generation_prompt=body.add_generation_prompt,
         chat_template=body.chat_template,
         tools=tool_plan.template_tools,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=template_kwargs,
     )
     outputs = tool_plan.choice_outputs(ctx, prompt_text, params.n)
-    request_id = ctx.new_request_id("chatcmpl")
+    request_id = request_id_for(body, ctx, "chatcmpl")
     stream = ctx.engine.generate(
         request_id,
         prompt_ids,

@@ -24,6 +24,7 @@ from tokenmill.server.context import (
 )
 from tokenmill.server.errors import bad_request, from_engine_error
 from tokenmill.server.logprobs import completion_logprobs, extend_completion_logprobs
+from tokenmill.server.openai_extensions import check_extensions, request_id_for
 from tokenmill.server.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -81,6 +82,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     ctx.check_alive()
     ctx.check_model(body.model)
     _check_supported(body)
+    check_extensions(body, ctx)
     prompts = _encode_prompts(ctx, body)
     echo_logprobs = body.logprobs if body.echo else None
     params = build_sampling_params(
@@ -88,7 +90,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     )
     tier = ctx.resolve_service_tier(body.service_tier)
     user = request_user(body.user, raw)
-    request_id = ctx.new_request_id("cmpl")
+    request_id = request_id_for(body, ctx, "cmpl")
     streams = [
         ctx.engine.generate(
             request_id if len(prompts) == 1 else f"{request_id}-p{i}",

@@ -27,6 +27,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None: detected from the chat template / architecture
     reasoning_parser: str | None = None  # None: reasoning stays in the content
     webui: bool = True  # the chat page at / and the dashboard at /dashboard (--no-webui: off)
+    unknown_fields: str = "reject"  # unknown OpenAI request fields: "reject" (400) or "warn" (ignored)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -1,7 +1,7 @@
 """OpenAI ``response_format`` and vLLM's ``guided_*`` fields → ``StructuredOutputsParams``.
 
 Chat takes ``response_format`` (``text``, ``json_object``, ``json_schema``); chat and completions both
-take vLLM's ``guided_json`` (an object or its JSON text), ``guided_regex``, ``guided_choice``,
+take SGLang's ``regex`` and ``ebnf``, vLLM's ``guided_json`` (an object or its JSON text), ``guided_regex``, ``guided_choice``,
 ``guided_grammar`` and a ``structured_outputs`` object with the fields of
 :class:`~tokenmill.sampling_params.StructuredOutputsParams`. At most one may be given. The
 constraint is parsed here, so a bad schema, regex or grammar is a 400 naming the field.
@@ -16,7 +16,16 @@ from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.errors import bad_request
 from tokenmill.structured.validate import validate_constraint
 
-_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+# vLLM's guided_* names, its structured_outputs object, and SGLang's regex / ebnf.
+_GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "regex",
+    "ebnf",
+)
 
 
 def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -43,11 +52,11 @@ def _from_guided(name: str, value: Any) -> StructuredOutputsParams:
     if name == "guided_json":
         text = value if isinstance(value, str) else json.dumps(value)
         return StructuredOutputsParams(json=text)
-    if name == "guided_regex":
+    if name in ("guided_regex", "regex"):
         return StructuredOutputsParams(regex=value)
     if name == "guided_choice":
         return StructuredOutputsParams(choice=list(value))
-    if name == "guided_grammar":
+    if name in ("guided_grammar", "ebnf"):
         return StructuredOutputsParams(grammar=value)
     values = dict(value)
     if isinstance(values.get("json"), (dict, bool)):

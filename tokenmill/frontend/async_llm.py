@@ -7,9 +7,10 @@ Callers iterate ``generate(...)``; every item is the request's live ``RequestSta
 ``SampleState.sent_*`` fields let a streaming caller compute what is new since its last chunk.
 
 Failure contract: if the engine process dies or reports a fault, every request in flight ends at
-once with ``EngineFaultError`` and every later call raises ``EngineDeadError``; nothing waits on a
-dead engine. Closing or cancelling a ``generate`` iterator before it finishes aborts the request in
-the engine, which frees its KV blocks.
+once with ``EngineGoneError`` (an ``EngineFaultError``; a fault the engine reports on one request
+fails only that one, with ``EngineFaultError``), every later call raises ``EngineDeadError`` and
+``engine_died`` is set; nothing waits on a dead engine. Closing or cancelling a ``generate``
+iterator before it finishes aborts the request in the engine, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tokenmill.loader import ModelSource, resolve_model
 from tokenmill.protocol import EngineCoreOutputs
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineFaultError", "RequestRejectedError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineFaultError", "EngineGoneError", "RequestRejectedError"]
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("tokenmill.requests")
@@ -43,6 +44,11 @@ request_logger = logging.getLogger("tokenmill.requests")
 
 class EngineFaultError(RuntimeError):
     """The engine failed or died while this request was in flight."""
+
+
+class EngineGoneError(EngineFaultError):
+    """The engine process died (or the server lost it) while this request was in flight; unlike a
+    fault on one request, nothing will serve it again (the server answers 503)."""
 
 
 class RequestRejectedError(ValueError):
@@ -159,6 +165,8 @@ class AsyncLLM:
         self._closed = False
         # Why this frontend failed its requests, when it did so on its own (its dispatch broke).
         self._failed_reason: str | None = None
+        # Set once the engine process is gone for good (not by ``shutdown``): the server exits then.
+        self.engine_died = asyncio.Event()
         self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name="tokenmill-output-dispatch")
 
     # ------------------------------------------------------------------ start-up
@@ -266,7 +274,7 @@ class AsyncLLM:
             try:
                 added = await self._client.add_request_group(core_requests, cut_step=cut_step)
             except EngineDeadError as exc:
-                raise EngineFaultError(f"{exc} while this request was in flight") from None
+                raise EngineGoneError(f"{exc} while this request was in flight") from None
             if added.error is not None:
                 stream.rejected = True
                 if added.overloaded:
@@ -372,12 +380,16 @@ class AsyncLLM:
                 self._on_outputs(await self._client.get_outputs())
         except EngineDeadError as exc:
             self._fail_streams(str(exc))
+            if not self._closed:
+                self.engine_died.set()
         except asyncio.CancelledError:
             raise
         except Exception:
             # A bug here would leave every request waiting forever; fail loudly instead.
             logger.exception("output dispatch failed")
             self._fail_streams("the server lost its connection to the engine (output dispatch failed)")
+            if not self._closed:
+                self.engine_died.set()
 
     def _on_outputs(self, batch: EngineCoreOutputs) -> None:
         self.stats.num_running = batch.num_running
@@ -433,7 +445,7 @@ class AsyncLLM:
         message = f"{reason} while this request was in flight"
         for stream in list(self._streams.values()):
             if stream.error is None and not stream.state.finished:
-                stream.error = EngineFaultError(message)
+                stream.error = EngineGoneError(message)
             stream.changed.set()
 
     async def shutdown(self, timeout: float = 10.0) -> None:

@@ -22,7 +22,7 @@ from tokenmill.loader import ModelSource
 from tokenmill.server.context import ServerContext, get_context
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenmill.server.middleware import APIKeyMiddleware, RequestBodyMiddleware
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -191,7 +191,9 @@ def build_app(
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        RequestBodyMiddleware, max_bytes=settings.max_request_body_bytes, read_timeout=settings.body_timeout
+    )
     if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)

@@ -144,6 +144,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.num_blocks = ready.num_blocks
+        self.block_size = ready.block_size
+        self.kv_cache_bytes = ready.kv_cache_bytes  # the KV pool: num_blocks × block_size tokens
         self.engine_pid = ready.pid
         self.log_requests = log_requests
         self.input_processor = InputProcessor(tokenizer, source.hf_config, ready.max_model_len)
@@ -201,11 +203,13 @@ class AsyncLLM:
             raise
         ready = client.info
         logger.info(
-            "engine process %d ready: max_model_len=%d, %d KV blocks of %d tokens",
+            "engine process %d ready: max_model_len=%d, KV cache of %d tokens (%d blocks of %d), %.2f GB",
             ready.pid,
             ready.max_model_len,
+            ready.num_blocks * ready.block_size,
             ready.num_blocks,
             ready.block_size,
+            ready.kv_cache_bytes / 1e9,
         )
         return cls(config, source, tokenizer, client, log_requests)
 

@@ -153,6 +153,8 @@ async def admin_engine(ctx: Context) -> dict[str, Any]:
         "dead_reason": engine.dead_reason,
         "max_model_len": engine.max_model_len,
         "num_blocks": engine.num_blocks,
+        "kv_cache_tokens": engine.num_blocks * engine.block_size,
+        "kv_cache_bytes": engine.kv_cache_bytes,
     }
 
 

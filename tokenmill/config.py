@@ -300,6 +300,9 @@ class EngineConfig:
     # What runs the model: "inprocess" (this process) or "mp" (one worker child process, plans sent
     # as deltas over ZMQ: executor/multiproc.py).
     executor_backend: str = "inprocess"
+    # Batch-invariant outputs (layers/attention/deterministic.py): a request's tokens and logprobs
+    # do not depend on the other requests, the chunk size, prefix-cache hits or preemption.
+    deterministic: bool = False
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -325,6 +328,7 @@ class EngineConfig:
                 f"executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}"
             )
         self.scheduler.validate()
+        self._validate_deterministic()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
@@ -336,6 +340,21 @@ class EngineConfig:
             )
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.cache.num_blocks}")
+
+    def _validate_deterministic(self) -> None:
+        """The deterministic mode holds only where every kernel's reduction order is known not to
+        depend on the batch: float32 weights and activations, no weight quantization (the int4 and
+        int8 kernels tile by batch size), the native model code. Other combinations are refused."""
+        if not self.deterministic:
+            return
+        if self.model.dtype != "float32":
+            raise ValueError(f"deterministic mode needs dtype float32, got {self.model.dtype!r}")
+        if self.model.quantization not in (None, "none"):
+            raise ValueError(
+                f"deterministic mode cannot be combined with quantization {self.model.quantization!r}"
+            )
+        if self.model.model_impl == "transformers":
+            raise ValueError("deterministic mode needs the native model implementation, not transformers")
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:

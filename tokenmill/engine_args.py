@@ -162,6 +162,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="inprocess runs the model in the engine's process; mp in one worker child process that "
         "gets each step's plan as a delta (the base of tensor parallelism)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant outputs: a request's tokens and logprobs do not depend on other requests, "
+        "chunk sizes, prefix-cache hits or preemption (needs --dtype float32; slower)",
+    )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     cache.add_argument(
@@ -344,4 +350,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "fair_output_weight": args.fair_output_weight,
         "jump_forward": not args.no_jump_forward,
         "executor_backend": args.executor_backend,
+        "deterministic": args.deterministic,
     }

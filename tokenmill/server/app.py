@@ -155,6 +155,7 @@ async def admin_engine(ctx: Context) -> dict[str, Any]:
         "num_blocks": engine.num_blocks,
         "kv_cache_tokens": engine.num_blocks * engine.block_size,
         "kv_cache_bytes": engine.kv_cache_bytes,
+        "deterministic": engine.config.deterministic,
     }
 
 

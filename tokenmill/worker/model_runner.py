@@ -20,7 +20,8 @@ from tokenmill.core.step_io import (
     SchedulerOutput,
     StepStatus,
 )
-from tokenmill.layers.attention import SequenceStep, select_backend
+from tokenmill.layers.attention import AttentionBackend, SequenceStep, select_backend
+from tokenmill.layers.attention.deterministic import DeterministicBackend
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -67,6 +68,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native_bf16 else torch.float32
 
 
+def use_deterministic_attention(model: torch.nn.Module) -> None:
+    """Deterministic mode: every attention layer attends through ``DeterministicBackend`` and the
+    fused decode stack (which runs its own attention kernel) is dropped."""
+    for module in model.modules():
+        for name, child in list(vars(module).items()):
+            if isinstance(child, AttentionBackend):
+                setattr(
+                    module,
+                    name,
+                    DeterministicBackend(child.num_heads, child.num_kv_heads, child.head_dim, child.scale),
+                )
+    if hasattr(model, "decode_stack"):
+        setattr(model, "decode_stack", None)  # noqa: B010 - only the Llama family has one
+
+
 class ModelRunner:
     """Loads the model, owns the KV cache tensors and executes scheduled steps."""
 
@@ -107,12 +123,15 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized = self._quantize(config.model.quantization)
-            exact_int4, exact_q8 = self._keep_exact_copies() if config.model.quantization is None else (0, 0)
+            keep_exact = config.model.quantization is None and not config.deterministic
+            exact_int4, exact_q8 = self._keep_exact_copies() if keep_exact else (0, 0)
             # Children first: the model's own step collects what its layers prepared (packed weights).
             for module in reversed(list(self.model.modules())):
                 prepare = getattr(module, "prepare_for_inference", None)
                 if prepare is not None:
                     prepare()
+            if config.deterministic:
+                use_deterministic_attention(self.model)
             description = f"native {model_class.__name__}" + (
                 f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
             )
@@ -134,7 +153,11 @@ class ModelRunner:
         )
         # The model's layers made the same choice (select_backend is cached); the runner needs the
         # class to build each step's attention metadata.
-        self.attn_backend = select_backend(self.device, self.dtype, kv_dtype)
+        self.attn_backend = (
+            DeterministicBackend
+            if config.deterministic
+            else select_backend(self.device, self.dtype, kv_dtype)
+        )
         self.num_blocks = self._kv_pool_blocks(config, source, kv_dtype)
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.model.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype

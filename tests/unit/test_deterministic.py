@@ -72,11 +72,12 @@ def test_a_prefix_cache_hit_gives_the_same_bits(model: TinyModel) -> None:
     assert answer(hit) == miss
 
 
-def test_preemption_and_recompute_give_the_same_bits(model: TinyModel) -> None:
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_preemption_and_recompute_give_the_same_bits(model: TinyModel, params: SamplingParams) -> None:
     prompts = [PROBE, *OTHERS[:7]]
-    roomy = run(make_llm(model, enable_prefix_caching=False), prompts, GREEDY)
+    roomy = run(make_llm(model, enable_prefix_caching=False), prompts, params)
     tight = make_llm(model, enable_prefix_caching=False, num_blocks=24)  # 96 tokens for 8 requests
-    assert run(tight, prompts, GREEDY) == roomy
+    assert run(tight, prompts, params) == roomy
     assert tight.engine.scheduler.num_preemptions_total > 0
 
 

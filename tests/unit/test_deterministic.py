@@ -4,6 +4,7 @@ combinations it cannot keep are refused."""
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import VOCAB_SIZE, TinyModel
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig, ModelConfig, build_engine_config
+from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.llm import LLM
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -92,3 +94,11 @@ def test_preemption_and_recompute_give_the_same_bits(model: TinyModel, params: S
 def test_combinations_it_cannot_keep_are_refused(model_config: ModelConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=model_config, deterministic=True).validate()
+
+
+def test_the_command_line_turns_it_on() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--deterministic", "--dtype", "float32"])
+    assert build_engine_config("m", **engine_kwargs(args)).deterministic
+    assert not build_engine_config("m", **engine_kwargs(parser.parse_args([]))).deterministic

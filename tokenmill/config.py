@@ -119,7 +119,10 @@ class CacheConfig:
     """KV cache sizing.
 
     ``kv_cache_memory`` is a byte budget (an int) or, when a float in (0, 1], the fraction of the
-    machine's available memory to give to KV blocks. ``num_blocks`` overrides both (tests use it).
+    machine's available memory to give to KV blocks. None (the default) sizes the pool from what
+    the scheduler can use, ``max_num_seqs × max_model_len`` tokens, capped at
+    ``kv_cache_memory_fraction`` of the available memory. ``num_blocks`` overrides all of them
+    (tests use it).
     ``kv_cache_dtype`` is the cache's element type: ``auto`` (the model's dtype), ``float32``,
     ``bfloat16`` or ``float16``. A 16-bit cache under a float32 model holds twice the tokens in the
     same memory and halves the bytes attention reads; keys and values are rounded to it as they are
@@ -130,12 +133,14 @@ class CacheConfig:
     blocks at a time in the order the pool hands them out (``worker/kv_cache.py``,
     ``IdlePrefaulter``), so steps stop less for page faults on new blocks (a prompt's blocks stay in
     the prefix cache, so new work lands on untouched memory until the pool is full). Start-up is
-    unchanged; resident memory grows to the whole pool over the idle time. ``tokenmill serve``'s
+    unchanged; only a couple of steps' worth of blocks beyond the highest one written are mapped
+    ahead, so resident memory follows use rather than growing to the whole pool. ``tokenmill serve``'s
     default on CPUs; ``LLM`` never idles, so it has no effect there.
     """
 
     block_size: int = 16
-    kv_cache_memory: int | float = 0.25
+    kv_cache_memory: int | float | None = None
+    kv_cache_memory_fraction: float = 0.25
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -304,6 +309,9 @@ class EngineConfig:
     # kernels; no quantization).
     logprobs_mode: str = "raw_logprobs"
     rl_exact_logprobs: bool = False
+    # Batch-invariant outputs (layers/attention/deterministic.py): a request's tokens and logprobs
+    # do not depend on the other requests, the chunk size, prefix-cache hits or preemption.
+    deterministic: bool = False
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -330,11 +338,16 @@ class EngineConfig:
             )
         self.scheduler.validate()
         self._validate_logprobs()
+        self._validate_deterministic()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
         if isinstance(mem, int) and mem < 1:
             raise ValueError(f"kv_cache_memory in bytes must be >= 1, got {mem}")
+        if not 0.0 < self.cache.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.cache.kv_cache_memory_fraction}"
+            )
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.cache.num_blocks}")
 
@@ -351,6 +364,21 @@ class EngineConfig:
                 f"rl_exact_logprobs cannot run with quantization={self.model.quantization}: "
                 "quantized weights change the logprobs"
             )
+
+    def _validate_deterministic(self) -> None:
+        """The deterministic mode holds only where every kernel's reduction order is known not to
+        depend on the batch: float32 weights and activations, no weight quantization (the int4 and
+        int8 kernels tile by batch size), the native model code. Other combinations are refused."""
+        if not self.deterministic:
+            return
+        if self.model.dtype != "float32":
+            raise ValueError(f"deterministic mode needs dtype float32, got {self.model.dtype!r}")
+        if self.model.quantization not in (None, "none"):
+            raise ValueError(
+                f"deterministic mode cannot be combined with quantization {self.model.quantization!r}"
+            )
+        if self.model.model_impl == "transformers":
+            raise ValueError("deterministic mode needs the native model implementation, not transformers")
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:

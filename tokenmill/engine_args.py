@@ -22,10 +22,15 @@ from tokenmill.config import (
 )
 from tokenmill.core.policy import POLICIES
 
+_BYTE_SUFFIXES = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
 
 def _memory(value: str) -> int | float:
-    """``0.3`` is a fraction of available memory; ``2000000000`` is bytes."""
-    number = float(value)
+    """``2000000000``, ``4G`` or ``512MiB`` is bytes; ``0.3`` is a fraction of available memory."""
+    text = value.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in _BYTE_SUFFIXES:
+        return int(float(text[:-1]) * _BYTE_SUFFIXES[text[-1]])
+    number = float(text)
     if number.is_integer() and number > 1:
         return int(number)
     return number
@@ -158,13 +163,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="inprocess runs the model in the engine's process; mp in one worker child process that "
         "gets each step's plan as a delta (the base of tensor parallelism)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant outputs: a request's tokens and logprobs do not depend on other requests, "
+        "chunk sizes, prefix-cache hits or preemption (needs --dtype float32; slower)",
+    )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     cache.add_argument(
         "--kv-cache-memory",
         type=_memory,
         default=CacheConfig.kv_cache_memory,
-        help="fraction of available memory (<= 1) or bytes",
+        help="bytes for the KV cache (4G, 512MiB, 2000000000; a number <= 1 is a fraction of available "
+        "memory). Default: what max_num_seqs × max_model_len tokens need, capped by "
+        "--kv-cache-memory-fraction",
+    )
+    cache.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=CacheConfig.kv_cache_memory_fraction,
+        help="the most of the available memory the default KV cache takes",
     )
     cache.add_argument(
         "--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)"
@@ -321,6 +340,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "engine_niceness": on_cpu_default(args.engine_niceness, args.device, CPU_ENGINE_NICENESS),
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
         "num_blocks": args.num_blocks,
         "enable_prefix_caching": not args.no_prefix_cache,
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -345,4 +365,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "executor_backend": args.executor_backend,
         "logprobs_mode": args.logprobs_mode,
         "rl_exact_logprobs": args.rl_exact_logprobs,
+        "deterministic": args.deterministic,
     }

@@ -176,6 +176,7 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     num_blocks: int
     block_size: int
     pid: int
+    kv_cache_bytes: int = 0  # the KV pool's size in bytes (num_blocks × block_size tokens)
 
 
 class EngineStartFailed(msgspec.Struct, tag="start_failed", kw_only=True):
@@ -328,6 +329,7 @@ class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
     num_blocks: int
     kv_window: int | None
     pid: int
+    kv_cache_bytes: int = 0
 
 
 class StepDone(msgspec.Struct, tag="done", kw_only=True):

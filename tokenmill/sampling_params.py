@@ -7,10 +7,20 @@ Shaped like vLLM's ``SamplingParams`` so code written for it runs unchanged. Eve
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _UNSET: Any = object()
+# Checked to be finite (NaN passes every range comparison, so the range checks alone miss it).
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass
@@ -119,6 +129,9 @@ class SamplingParams:
         return cls(**values)
 
     def _validate(self) -> None:
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n}")
         if self.temperature < 0.0:
@@ -153,12 +166,14 @@ class SamplingParams:
             )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
-                if not -100.0 <= bias <= 100.0:
+                if not -100.0 <= bias <= 100.0:  # NaN fails this too
                     raise ValueError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
 
     @property

@@ -1,4 +1,5 @@
-"""Servers of their own: a full waiting queue (429), a killed engine (500 in flight, then 503),
+"""Servers of their own: a full waiting queue (429), a killed engine (503 in flight and after, then
+the server exits with status 1),
 shutdown by signal with a request in flight (no orphan engine process), and an unknown model (its
 message, no engine left); and the engine process's CPU priority."""
 
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -54,8 +56,11 @@ def test_full_waiting_queue_is_429(tiny_model_dir: str) -> None:
         server.stop()
 
 
-def test_killed_engine_fails_fast(tiny_model_dir: str) -> None:
-    server = ServerProcess(tiny_model_dir, TINY_ARGS)
+EXIT_DELAY_S = 5.0
+
+
+def test_killed_engine_fails_fast_then_the_server_exits(tiny_model_dir: str) -> None:
+    server = ServerProcess(tiny_model_dir, [*TINY_ARGS, "--engine-death-exit-delay", str(EXIT_DELAY_S)])
     engine_pid = server.engine_pid()
 
     async def run() -> None:
@@ -65,13 +70,14 @@ def test_killed_engine_fails_fast(tiny_model_dir: str) -> None:
                 await wait_for_engine(http, "num_running", 2)
                 os.kill(engine_pid, signal.SIGKILL)
                 events = [line async for line in streaming.aiter_lines() if line]
-            # In flight: the stream ends with an error event and [DONE]; the plain request gets a 500.
+            killed_at = time.monotonic()
+            # In flight: the stream ends with an error event and [DONE]; the plain request gets a 503.
             assert events[-1] == "data: [DONE]"
             error = json.loads(events[-2].removeprefix("data: "))["error"]
-            assert error["code"] == "engine_fault"
+            assert error["code"] == "engine_unavailable" and error["type"] == "server_error"
             answered = await pending
-            assert answered.status_code == 500
-            assert answered.json()["error"]["code"] == "engine_fault"
+            assert answered.status_code == 503
+            assert answered.json()["error"]["code"] == "engine_unavailable"
             # Afterwards: health fails and new work is refused at once with 503.
             assert (await http.get("/health")).status_code == 503
             health_generate = await http.get("/health_generate")
@@ -90,13 +96,15 @@ def test_killed_engine_fails_fast(tiny_model_dir: str) -> None:
                 line.startswith("tokenmill:engine_alive") and line.endswith(" 0.0")
                 for line in metrics.splitlines()
             )
+            assert time.monotonic() - killed_at < EXIT_DELAY_S, "the checks above ran past the delay"
+        # Then the server exits by itself, with status 1, for its supervisor to restart it.
+        assert server.process.wait(EXIT_DELAY_S + 20) == 1
 
     try:
         asyncio.run(asyncio.wait_for(run(), 60))
         assert process_gone(engine_pid)
     finally:
         server.stop()
-    assert server.process.returncode is not None
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,7 @@ class InProcClient:
             num_blocks=core.kv_manager.num_blocks,
             block_size=core.kv_manager.block_size,
             pid=os.getpid(),
+            kv_cache_bytes=core.executor.kv_cache_bytes,
         )
 
     @property

@@ -480,11 +480,14 @@ class EngineCore:
         raise ValueError(f"unknown engine method {method!r}; the engine answers {known}")
 
     def kv_stats(self) -> dict[str, UtilityValue]:
-        """The KV cache's block counts (``KVCacheManager.stats``), the queues' lengths (also per
-        tier, as ``num_running_<tier>`` and ``num_waiting_<tier>``) and the step counters."""
+        """The KV cache's block counts (``KVCacheManager.stats``) and size (``kv_cache_tokens``,
+        ``kv_cache_bytes``), the queues' lengths (also per tier, as ``num_running_<tier>`` and
+        ``num_waiting_<tier>``) and the step counters."""
         scheduler = self.scheduler
         return {
             **self.kv_manager.stats(),
+            "kv_cache_tokens": self.kv_manager.num_blocks * self.kv_manager.block_size,
+            "kv_cache_bytes": self.executor.kv_cache_bytes,
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
             "num_preemptions": scheduler.num_preemptions_total,

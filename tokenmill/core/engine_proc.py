@@ -270,6 +270,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             num_blocks=core.kv_manager.num_blocks,
             block_size=core.kv_manager.block_size,
             pid=os.getpid(),
+            kv_cache_bytes=core.executor.kv_cache_bytes,
         )
         interrupt = None
         if config.scheduler.cuts_steps():

@@ -33,6 +33,11 @@ class Executor(Protocol):
         ...
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache each worker reserved for its ``num_blocks`` blocks."""
+        ...
+
+    @property
     def kv_window(self) -> int | None:
         """Trailing positions every layer attends to (None: some layer sees the whole sequence)."""
         ...

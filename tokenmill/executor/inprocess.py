@@ -23,6 +23,10 @@ class InProcessExecutor:
         return self.runner.num_blocks
 
     @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    @property
     def kv_window(self) -> int | None:
         return self.runner.kv_window
 

@@ -93,11 +93,16 @@ class MultiProcessExecutor:
             self.shutdown()
             raise
         self._num_blocks, self._kv_window = ready.num_blocks, ready.kv_window
+        self._kv_cache_bytes = ready.kv_cache_bytes
         logger.info("worker process %d ready", ready.pid)
 
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._kv_cache_bytes
 
     @property
     def kv_window(self) -> int | None:

@@ -79,7 +79,14 @@ def run_worker(config: EngineConfig, input_address: str, output_address: str, pa
             logger.error("worker failed to start:\n%s", traceback.format_exc())
             send(WorkerFailed(error=f"{type(exc).__name__}: {exc}"))
             return 1
-        send(WorkerReady(num_blocks=runner.num_blocks, kv_window=runner.kv_window, pid=os.getpid()))
+        send(
+            WorkerReady(
+                num_blocks=runner.num_blocks,
+                kv_cache_bytes=runner.kv_cache_bytes,
+                kv_window=runner.kv_window,
+                pid=os.getpid(),
+            )
+        )
         serve(runner, PlanDecoder(runner.device), input_socket, send, parent_pid)
         return 0
     except _Terminated:

@@ -7,9 +7,10 @@ Callers iterate ``generate(...)``; every item is the request's live ``RequestSta
 ``SampleState.sent_*`` fields let a streaming caller compute what is new since its last chunk.
 
 Failure contract: if the engine process dies or reports a fault, every request in flight ends at
-once with ``EngineFaultError`` and every later call raises ``EngineDeadError``; nothing waits on a
-dead engine. Closing or cancelling a ``generate`` iterator before it finishes aborts the request in
-the engine, which frees its KV blocks.
+once with ``EngineGoneError`` (an ``EngineFaultError``; a fault the engine reports on one request
+fails only that one, with ``EngineFaultError``), every later call raises ``EngineDeadError`` and
+``engine_died`` is set; nothing waits on a dead engine. Closing or cancelling a ``generate``
+iterator before it finishes aborts the request in the engine, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "AsyncLLM",
     "EngineDeadError",
     "EngineFaultError",
+    "EngineGoneError",
     "EngineMemoryReleasedError",
     "RequestRejectedError",
 ]
@@ -54,6 +56,11 @@ class EngineFaultError(RuntimeError):
 class EngineMemoryReleasedError(EngineDeadError):
     """The engine's memory is released for a trainer (``release_memory_occupation``): no request is
     served until ``resume_memory_occupation`` (HTTP 503, as for an engine that is not available)."""
+
+
+class EngineGoneError(EngineFaultError):
+    """The engine process died (or the server lost it) while this request was in flight; unlike a
+    fault on one request, nothing will serve it again (the server answers 503)."""
 
 
 class RequestRejectedError(ValueError):
@@ -150,6 +157,8 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.num_blocks = ready.num_blocks
         self.block_size = ready.block_size
+
+        self.kv_cache_bytes = ready.kv_cache_bytes  # the KV pool: num_blocks × block_size tokens
         self.engine_pid = ready.pid
         self.log_requests = log_requests
         self.input_processor = InputProcessor(tokenizer, source.hf_config, ready.max_model_len)
@@ -174,6 +183,9 @@ class AsyncLLM:
         # What release_memory_occupation freed and resume_memory_occupation has not brought back.
         self.memory_released = ""
         self._weight_version = "default"
+
+        # Set once the engine process is gone for good (not by ``shutdown``): the server exits then.
+        self.engine_died = asyncio.Event()
         self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name="tokenmill-output-dispatch")
 
     # ------------------------------------------------------------------ start-up
@@ -208,11 +220,13 @@ class AsyncLLM:
             raise
         ready = client.info
         logger.info(
-            "engine process %d ready: max_model_len=%d, %d KV blocks of %d tokens",
+            "engine process %d ready: max_model_len=%d, KV cache of %d tokens (%d blocks of %d), %.2f GB",
             ready.pid,
             ready.max_model_len,
+            ready.num_blocks * ready.block_size,
             ready.num_blocks,
             ready.block_size,
+            ready.kv_cache_bytes / 1e9,
         )
         return cls(config, source, tokenizer, client, log_requests)
 
@@ -296,7 +310,7 @@ class AsyncLLM:
             try:
                 added = await self._client.add_request_group(core_requests, cut_step=cut_step)
             except EngineDeadError as exc:
-                raise EngineFaultError(f"{exc} while this request was in flight") from None
+                raise EngineGoneError(f"{exc} while this request was in flight") from None
             if added.error is not None:
                 stream.rejected = True
                 if added.overloaded:
@@ -410,12 +424,16 @@ class AsyncLLM:
                 self._on_outputs(await self._client.get_outputs())
         except EngineDeadError as exc:
             self._fail_streams(str(exc))
+            if not self._closed:
+                self.engine_died.set()
         except asyncio.CancelledError:
             raise
         except Exception:
             # A bug here would leave every request waiting forever; fail loudly instead.
             logger.exception("output dispatch failed")
             self._fail_streams("the server lost its connection to the engine (output dispatch failed)")
+            if not self._closed:
+                self.engine_died.set()
 
     def _on_outputs(self, batch: EngineCoreOutputs) -> None:
         self.stats.num_running = batch.num_running
@@ -473,7 +491,7 @@ class AsyncLLM:
         message = f"{reason} while this request was in flight"
         for stream in list(self._streams.values()):
             if stream.error is None and not stream.state.finished:
-                stream.error = EngineFaultError(message)
+                stream.error = EngineGoneError(message)
             stream.changed.set()
 
     async def shutdown(self, timeout: float = 10.0) -> None:

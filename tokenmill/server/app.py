@@ -22,7 +22,7 @@ from tokenmill.loader import ModelSource
 from tokenmill.server.context import ServerContext, get_context
 from tokenmill.server.errors import APIError, bad_request, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from tokenmill.server.middleware import APIKeyMiddleware, RequestBodyMiddleware
 from tokenmill.server.native_routes import native_router
 from tokenmill.server.openai_extensions import check_unknown_fields, with_ignored_fields
 from tokenmill.server.openai_protocol import (
@@ -159,6 +159,9 @@ async def admin_engine(ctx: Context) -> dict[str, Any]:
         "dead_reason": engine.dead_reason,
         "max_model_len": engine.max_model_len,
         "num_blocks": engine.num_blocks,
+        "kv_cache_tokens": engine.num_blocks * engine.block_size,
+        "kv_cache_bytes": engine.kv_cache_bytes,
+        "deterministic": engine.config.deterministic,
     }
 
 
@@ -200,7 +203,9 @@ def build_app(
     app.include_router(native_router)  # SGLang's native API: /generate, /model_info, ...
     app.include_router(rl_router)  # weight updates, pause, memory release (RL)
     install_webui(app, settings.webui)  # /metrics.json; the chat page and dashboard unless --no-webui
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        RequestBodyMiddleware, max_bytes=settings.max_request_body_bytes, read_timeout=settings.body_timeout
+    )
     if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.
         paths, prefixes = public_paths(settings.webui)  # the pages (no data) open; what they call guarded

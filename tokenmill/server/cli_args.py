@@ -8,12 +8,14 @@ once the server has shut down (the engine process is stopped by then).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import math
 import shutil
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -22,7 +24,13 @@ from tokenmill.core.client import make_socket_dir, spawn_engine_process, stop_en
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS
+from tokenmill.server.http_protocol import header_deadline_protocol
 from tokenmill.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from tokenmill.frontend.async_llm import AsyncLLM
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -80,6 +88,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="unknown fields in chat/completions requests: 'reject' answers 400 naming the field; 'warn' "
         "logs their names, ignores them and lists them in the X-Ignored-Fields response header",
     )
+    server.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers (when opened and after each answer)",
+    )
+    server.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive (408 after)",
+    )
+    server.add_argument(
+        "--engine-death-exit-delay",
+        type=float,
+        default=5.0,
+        help="if the engine process dies: seconds the server answers 503 before it exits with status 1",
+    )
     chat = parser.add_argument_group("tool calls and reasoning")
     chat.add_argument(
         "--tool-call-parser",
@@ -114,6 +140,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         access_log=args.access_log,
         engine_start_timeout=args.engine_start_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        engine_death_exit_delay=args.engine_death_exit_delay,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         webui=args.webui,
@@ -122,17 +151,36 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, announcing the URL once the socket is bound and the engine is ready."""
+    """uvicorn's server, announcing the URL once the socket is bound and the engine is ready, and
+    shutting down (``engine_death`` then says why) a while after the engine process dies."""
 
-    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, settings: ServerSettings) -> None:
         super().__init__(config)
-        self.model_name = model_name
+        self.app = app
+        self.settings = settings
+        self.engine_death: str | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
+            self._watcher = asyncio.create_task(self._exit_when_engine_dies(self.app.state.ctx.engine))
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(f"tokenmill serving {self.model_name} at http://{host}:{port}/v1", flush=True)
+            print(f"tokenmill serving {self.settings.model_name} at http://{host}:{port}/v1", flush=True)
+
+    async def _exit_when_engine_dies(self, engine: AsyncLLM) -> None:
+        """Requests in flight have their 503s by the time ``engine_died`` is set; new ones get 503
+        (and /health too) for ``engine_death_exit_delay`` seconds, so load balancers see the server
+        go unhealthy; then the server shuts down and the process exits with status 1, for its
+        supervisor to restart it."""
+        await engine.engine_died.wait()
+        delay = self.settings.engine_death_exit_delay
+        self.engine_death = engine.dead_reason or "the engine process is not running"
+        logging.getLogger(__name__).error(
+            "the engine process died (%s); answering 503 for %g s, then exiting", self.engine_death, delay
+        )
+        await asyncio.sleep(delay)
+        self.should_exit = True
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -167,7 +215,11 @@ def run_server(args: argparse.Namespace) -> None:
         access_log=settings.access_log,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
         lifespan="on",
+        http=header_deadline_protocol(settings.header_timeout),
     )
+    server = _Server(uvicorn_config, app, settings)
     # uvicorn re-raises the SIGINT it handled once shutdown is done; that is not an error.
     with contextlib.suppress(KeyboardInterrupt):
-        _Server(uvicorn_config, settings.model_name).run()
+        server.run()
+    if server.engine_death is not None:
+        sys.exit(f"tokenmill serve: exiting because the engine process died: {server.engine_death}")

@@ -40,7 +40,7 @@ class SamplingRequest(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -53,7 +53,7 @@ class SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
     cache_salt: str | None = None
     user: str | None = None
     service_tier: str | None = None

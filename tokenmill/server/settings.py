@@ -24,6 +24,9 @@ class ServerSettings:
     access_log: bool = False
     engine_start_timeout: float = 600.0
     shutdown_timeout: float = 5.0
+    header_timeout: float = 10.0  # a connection must send a whole request head within this
+    body_timeout: float = 60.0  # ...and then the whole body within this (408 otherwise)
+    engine_death_exit_delay: float = 5.0  # 503s for this long after the engine dies, then exit 1
     tool_call_parser: str | None = None  # None: detected from the chat template / architecture
     reasoning_parser: str | None = None  # None: reasoning stays in the content
     webui: bool = True  # the chat page at / and the dashboard at /dashboard (--no-webui: off)

@@ -34,6 +34,33 @@ def bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element  # K and V
 
 
+def default_num_blocks(
+    wanted_tokens: int,
+    fraction_cap: float,
+    device: torch.device,
+    *,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """The default pool: the blocks ``wanted_tokens`` need (``max_num_seqs × max_model_len``: every
+    sequence the scheduler may run at its longest), capped at ``fraction_cap`` of the memory
+    available now, so a small model with a short context does not reserve a quarter of the machine."""
+    wanted_blocks = max(1, -(-wanted_tokens // block_size))
+    cap_blocks = num_blocks_for_budget(
+        fraction_cap,
+        device,
+        num_layers=num_layers,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    return min(wanted_blocks, cap_blocks)
+
+
 def num_blocks_for_budget(
     budget: int | float,
     device: torch.device,
@@ -106,16 +133,26 @@ class IdlePrefaulter:
     while the other waited. Blocks are mapped in the order the pool hands out fresh ones (lowest ids
     first; freed blocks are reused before fresh ones), each across every layer's keys and values.
     ``MADV_POPULATE_WRITE`` leaves contents as they are, so blocks already written before their turn
-    are unaffected. Contract: ``step`` maps the next ``blocks_per_step`` blocks and returns whether
-    blocks remain; after a failure (a kernel without the advice, not Linux) it logs why once and
-    returns False from then on.
+    are unaffected.
+
+    Lazily: with ``ahead_blocks``, only that many blocks beyond the highest one written so far
+    (``note_written``) are mapped, so an idle server's resident memory stays near what it has used
+    instead of growing to the whole pool; None maps the whole pool.
+
+    Contract: ``step`` maps the next ``blocks_per_step`` blocks (within the lazy limit) and returns
+    whether blocks remain to map now; after a failure (a kernel without the advice, not Linux) it
+    logs why once and returns False from then on.
     """
 
-    def __init__(self, caches: list[torch.Tensor], blocks_per_step: int = 8) -> None:
+    def __init__(
+        self, caches: list[torch.Tensor], blocks_per_step: int = 8, ahead_blocks: int | None = None
+    ) -> None:
         self._caches = caches  # each [2, num_blocks, block_size, kv_heads, head_dim]
         self._num_blocks = caches[0].shape[1] if caches else 0
         self._block_bytes = caches[0][0, 0].numel() * caches[0].element_size() if caches else 0
         self._blocks_per_step = blocks_per_step
+        self._ahead_blocks = ahead_blocks
+        self._written_blocks = 0  # one past the highest block id written so far
         self._next_block = 0
         self._madvise = _libc_madvise()
         if self._madvise is None:
@@ -124,13 +161,24 @@ class IdlePrefaulter:
 
     @property
     def done(self) -> bool:
+        """Every block of the pool is mapped."""
         return self._next_block >= self._num_blocks
 
+    @property
+    def _limit(self) -> int:
+        if self._ahead_blocks is None:
+            return self._num_blocks
+        return min(self._num_blocks, self._written_blocks + self._ahead_blocks)
+
+    def note_written(self, block_id: int) -> None:
+        """A step writes KV into ``block_id`` (the lazy limit follows the highest one)."""
+        self._written_blocks = max(self._written_blocks, block_id + 1)
+
     def step(self) -> bool:
-        if self.done or self._madvise is None:
+        if self._next_block >= self._limit or self._madvise is None:
             return False
         first = self._next_block
-        last = min(self._num_blocks, first + self._blocks_per_step)
+        last = min(self._limit, first + self._blocks_per_step)
         page = mmap.PAGESIZE
         for cache in self._caches:
             for half in (cache[0], cache[1]):  # keys, values
@@ -147,7 +195,7 @@ class IdlePrefaulter:
                     self._next_block = self._num_blocks
                     return False
         self._next_block = last
-        return not self.done
+        return self._next_block < self._limit
 
 
 def _libc_madvise() -> Callable[..., int] | None:

@@ -20,7 +20,8 @@ from tokenmill.core.step_io import (
     SchedulerOutput,
     StepStatus,
 )
-from tokenmill.layers.attention import SequenceStep, select_backend
+from tokenmill.layers.attention import AttentionBackend, SequenceStep, select_backend
+from tokenmill.layers.attention.deterministic import DeterministicBackend
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -36,12 +37,21 @@ from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, dr
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
 from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress, StepControl
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
-from tokenmill.worker.kv_cache import IdlePrefaulter, allocate_kv_caches, num_blocks_for_budget
+from tokenmill.worker.kv_cache import (
+    IdlePrefaulter,
+    allocate_kv_caches,
+    bytes_per_block,
+    default_num_blocks,
+    num_blocks_for_budget,
+)
 from tokenmill.worker.weight_update import WeightUpdater, drop_derived_weights
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How far the idle prefaulter maps ahead of the highest KV block written, in steps of the full token
+# budget: enough that a burst of new prompts rarely faults, small enough that idle memory stays low.
+PREFAULT_AHEAD_STEPS = 2
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -57,6 +67,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             )
         return _DTYPES[name]
     return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def use_deterministic_attention(model: torch.nn.Module) -> None:
+    """Deterministic mode: every attention layer attends through ``DeterministicBackend`` and the
+    fused decode stack (which runs its own attention kernel) is dropped."""
+    for module in model.modules():
+        for name, child in list(vars(module).items()):
+            if isinstance(child, AttentionBackend):
+                setattr(
+                    module,
+                    name,
+                    DeterministicBackend(child.num_heads, child.num_kv_heads, child.head_dim, child.scale),
+                )
+    if hasattr(model, "decode_stack"):
+        setattr(model, "decode_stack", None)  # noqa: B010 - only the Llama family has one
 
 
 class ModelRunner:
@@ -99,6 +124,8 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized, exact_int4, exact_q8 = self._derive_weights()
+            if config.deterministic:
+                use_deterministic_attention(self.model)
             description = f"native {model_class.__name__}" + (
                 f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
             )
@@ -120,15 +147,14 @@ class ModelRunner:
         )
         # The model's layers made the same choice (select_backend is cached); the runner needs the
         # class to build each step's attention metadata.
-        self.attn_backend = select_backend(self.device, self.dtype, kv_dtype)
-        self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(
-            config.cache.kv_cache_memory,
-            self.device,
-            num_layers=self.model.num_layers,
-            block_size=self.block_size,
-            num_kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim,
-            dtype=kv_dtype,
+        self.attn_backend = (
+            DeterministicBackend
+            if config.deterministic
+            else select_backend(self.device, self.dtype, kv_dtype)
+        )
+        self.num_blocks = self._kv_pool_blocks(config, source, kv_dtype)
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block(
+            self.model.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype
         )
         self.kv_caches = allocate_kv_caches(
             self.num_blocks,
@@ -139,15 +165,20 @@ class ModelRunner:
             dtype=kv_dtype,
             device=self.device,
         )
-        # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault).
+        # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault), a
+        # few steps' worth of blocks beyond the highest one written: resident memory follows use.
+        ahead_tokens = PREFAULT_AHEAD_STEPS * config.scheduler.max_num_batched_tokens
         self.kv_prefaulter = (
-            IdlePrefaulter(self.kv_caches) if config.cache.prefault and self.device.type == "cpu" else None
+            IdlePrefaulter(self.kv_caches, ahead_blocks=-(-ahead_tokens // self.block_size))
+            if config.cache.prefault and self.device.type == "cpu"
+            else None
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %s",
+            "KV cache: %d tokens (%d blocks of %d), %.2f GB of %s",
+            self.num_blocks * self.block_size,
             self.num_blocks,
             self.block_size,
-            self.num_blocks * self.block_size,
+            self.kv_cache_bytes / 1e9,
             str(kv_dtype).removeprefix("torch."),
         )
         # The model-wide window (Mistral: every layer) and each layer's own (Gemma 3 mixes sliding
@@ -172,7 +203,8 @@ class ModelRunner:
         exact int4 layers and the exact 8-bit heads. Run at load and after every weight update."""
         kind = self.config.model.quantization
         quantized = self._quantize(kind)
-        exact_int4, exact_q8 = self._keep_exact_copies() if kind is None else (0, 0)
+        keep_exact = kind is None and not self.config.deterministic  # the exact kernels tile by batch
+        exact_int4, exact_q8 = self._keep_exact_copies() if keep_exact else (0, 0)
         # Children first: the model's own step collects what its layers prepared (packed weights).
         for module in reversed(list(self.model.modules())):
             prepare = getattr(module, "prepare_for_inference", None)
@@ -297,6 +329,38 @@ class ModelRunner:
             )
 
     # ------------------------------------------------------------------ one step
+
+    def _kv_pool_blocks(self, config: EngineConfig, source: ModelSource, kv_dtype: torch.dtype) -> int:
+        """The pool's size: ``num_blocks``, else ``kv_cache_memory`` (bytes or a fraction), else
+        what ``max_num_seqs`` sequences of the whole context window need, capped at
+        ``kv_cache_memory_fraction`` of the available memory (``default_num_blocks``)."""
+        cache = config.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        model = self.model
+        if cache.kv_cache_memory is not None:
+            return num_blocks_for_budget(
+                cache.kv_cache_memory,
+                self.device,
+                num_layers=model.num_layers,
+                block_size=self.block_size,
+                num_kv_heads=model.num_kv_heads,
+                head_dim=model.head_dim,
+                dtype=kv_dtype,
+            )
+        # The context window as the engine core will set it (before the pool caps it).
+        model_limit = int(getattr(source.hf_config, "max_position_embeddings", 0) or 0) or 2048
+        window = min(config.model.max_model_len or model_limit, model_limit)
+        return default_num_blocks(
+            config.scheduler.max_num_seqs * window,
+            cache.kv_cache_memory_fraction,
+            self.device,
+            num_layers=model.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=kv_dtype,
+        )
 
     def prefault_while_idle(self) -> bool:
         """Map the next few KV blocks' pages (``IdlePrefaulter.step``); whether more remain."""
@@ -435,6 +499,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             seq_lens.extend([start + n] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        if self.kv_prefaulter is not None and slots:
+            self.kv_prefaulter.note_written(max(slots) // bs)
 
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         # The backend turns the step's plain facts into what its forward reads (masks, gather

@@ -1,0 +1,104 @@
+"""The deterministic mode: a request's tokens and logprobs are bitwise the same alone, among 64 other
+requests, under any chunk size, with or without a prefix-cache hit and after preemption; and the
+combinations it cannot keep are refused."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.conftest import VOCAB_SIZE, TinyModel
+from tokenmill.config import EngineConfig, ModelConfig, build_engine_config
+from tokenmill.engine_args import add_engine_args, engine_kwargs
+from tokenmill.llm import LLM
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+rng = random.Random(0)
+PROBE = [rng.randrange(2, VOCAB_SIZE) for _ in range(37)]
+OTHERS = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randrange(3, 40))] for _ in range(64)]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=10, logprobs=3, ignore_eos=True)
+
+Answer = tuple[list[int], list[list[tuple[int, float]]]]
+
+
+def answer(output: RequestOutput) -> Answer:
+    """Tokens and every position's (token, logprob) pairs: compared exactly, not approximately."""
+    completion = output.outputs[0]
+    assert completion.logprobs is not None
+    logprobs = [sorted((t, lp.logprob) for t, lp in position.items()) for position in completion.logprobs]
+    return completion.token_ids, logprobs
+
+
+def make_llm(model: TinyModel, **kwargs: Any) -> LLM:
+    options = {"dtype": "float32", "block_size": 4, "num_blocks": 1024, "deterministic": True, **kwargs}
+    return LLM(model.path, **options)
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[Answer]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [answer(o) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_alone_and_among_64_others_are_bitwise_equal(model: TinyModel, params: SamplingParams) -> None:
+    alone = run(make_llm(model, enable_prefix_caching=False), [PROBE], params)[0]
+    crowd = run(make_llm(model, enable_prefix_caching=False), [*OTHERS[:32], PROBE, *OTHERS[32:]], params)
+    assert crowd[32] == alone
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 24])
+def test_chunk_sizes_give_the_same_bits(model: TinyModel, chunk: int) -> None:
+    whole = run(make_llm(model, enable_prefix_caching=False), [PROBE], GREEDY)[0]
+    chunked_llm = make_llm(model, enable_prefix_caching=False, max_num_batched_tokens=chunk)
+    assert run(chunked_llm, [PROBE, OTHERS[0]], GREEDY)[0] == whole
+
+
+def test_a_prefix_cache_hit_gives_the_same_bits(model: TinyModel) -> None:
+    miss = run(make_llm(model, enable_prefix_caching=False), [PROBE], GREEDY)[0]
+    llm = make_llm(model)
+    # Caches the first 28 tokens (7 blocks).
+    llm.generate([{"prompt_token_ids": PROBE[:29] + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    hit = llm.generate([{"prompt_token_ids": PROBE}], GREEDY, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 28
+    assert answer(hit) == miss
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_preemption_and_recompute_give_the_same_bits(model: TinyModel, params: SamplingParams) -> None:
+    prompts = [PROBE, *OTHERS[:7]]
+    roomy = run(make_llm(model, enable_prefix_caching=False), prompts, params)
+    tight = make_llm(model, enable_prefix_caching=False, num_blocks=24)  # 96 tokens for 8 requests
+    assert run(tight, prompts, params) == roomy
+    assert tight.engine.scheduler.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize(
+    ("model_config", "message"),
+    [
+        (ModelConfig(dtype="bfloat16"), "deterministic mode needs dtype float32"),
+        (ModelConfig(dtype="float32", quantization="int4"), "cannot be combined with quantization 'int4'"),
+        (ModelConfig(dtype="float32", model_impl="transformers"), "native model implementation"),
+    ],
+)
+def test_combinations_it_cannot_keep_are_refused(model_config: ModelConfig, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=model_config, deterministic=True).validate()
+
+
+def test_the_command_line_turns_it_on() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--deterministic", "--dtype", "float32"])
+    assert build_engine_config("m", **engine_kwargs(args)).deterministic
+    assert not build_engine_config("m", **engine_kwargs(parser.parse_args([]))).deterministic

@@ -34,7 +34,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     ``service_tier`` names the tier that schedules it (``auto`` means ``default``); lower
     ``priority`` values go first within a tier (vLLM's convention). ``user`` identifies whose fair
     share it uses. ``deadline`` is an absolute ``time.time()`` after which the request ends with
-    ``FinishReason.TIMEOUT`` wherever it is, its blocks freed.
+    ``FinishReason.TIMEOUT`` wherever it is, its blocks freed. ``lora_name`` names the loaded
+    LoRA adapter to generate with (None: the base model).
     """
 
     request_id: str
@@ -49,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     service_tier: str = "default"
     user: str | None = None
     deadline: float | None = None
+    lora_name: str | None = None
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):
@@ -123,8 +125,8 @@ class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
 UtilityValue = int | float | bool | str | None
 # The utility methods the engine core answers (``EngineCore.call_utility``), and those reserved for
 # features to come, which it refuses with "not supported yet" rather than with "unknown".
-UTILITY_METHODS = ("reset_prefix_cache", "kv_stats")
-RESERVED_UTILITY_METHODS = ("update_weights", "pause", "resume", "load_lora", "unload_lora")
+UTILITY_METHODS = ("reset_prefix_cache", "kv_stats", "load_lora", "unload_lora")
+RESERVED_UTILITY_METHODS = ("update_weights", "pause", "resume")
 
 
 class UtilityCall(msgspec.Struct, tag="call", kw_only=True):

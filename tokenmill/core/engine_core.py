@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.kv.manager import KVCacheManager
+from tokenmill.core.lora_engine import EngineLoRA
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput, StepStatus
@@ -107,6 +108,10 @@ class EngineCore:
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        # LoRA adapters and device slots (core/lora_engine.py), when enabled.
+        self.lora = (
+            EngineLoRA(config.lora, self.executor, self.scheduler) if config.lora.enable_lora else None
+        )
         self._timed_a_step = False
         # The rest of a step whose first pass ran the prompts it finishes (core/first_token_pass.py).
         self._second_pass: SchedulerOutput | None = None
@@ -180,6 +185,12 @@ class EngineCore:
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         request = Request(core_request, self.max_model_len)
+        if core_request.lora_name is not None:
+            if self.lora is None:
+                raise ValueError(
+                    f"LoRA adapter {core_request.lora_name!r} asked for, but LoRA is not enabled (enable_lora)"
+                )
+            self.lora.resolve(request, core_request.lora_name)
         if request.sampling_params.structured_outputs is not None:
             request.grammar = self.structured.new_state(request)
         self.scheduler.add_request(request)
@@ -218,6 +229,8 @@ class EngineCore:
         if plan.is_empty and not failed and self.structured.has_pending():
             # Everything runnable waits for a grammar: block on the compiler rather than spin.
             self.structured.wait_for_compile(timeout=0.05)
+        if self.lora is not None:
+            self.lora.before_pass()
         result = self.executor.execute(plan)
         if result.status is StepStatus.ABANDONED:
             # Abandoned between layers for a latency-critical arrival: nothing of it counts, and it
@@ -295,6 +308,8 @@ class EngineCore:
         if beside.is_empty:
             return None
         beside.grammar_bitmask = self.structured.step_bitmask(beside.scheduled, self.scheduler.requests)
+        if self.lora is not None:
+            self.lora.before_pass()
         result = self.executor.execute(beside)
         _expect_done(result, "an arrivals' pass")
         outputs = self.scheduler.update(beside, result)
@@ -424,6 +439,19 @@ class EngineCore:
             return {"success": self.reset_prefix_cache()}
         if method == "kv_stats":
             return self.kv_stats()
+        if method in ("load_lora", "unload_lora"):
+            if self.lora is None:
+                raise ValueError(
+                    f"{method}: LoRA is not enabled (start the engine with enable_lora / --enable-lora)"
+                )
+            args = args or {}
+            if method == "unload_lora":
+                return self.lora.unload(str(args.get("lora_name") or ""))
+            return self.lora.load(
+                str(args.get("lora_name") or ""),
+                str(args.get("lora_path") or ""),
+                int(args.get("lora_int_id") or 0),
+            )
         if method in RESERVED_UTILITY_METHODS:
             raise ValueError(f"the engine does not support {method!r} yet")
         known = ", ".join(UTILITY_METHODS)
@@ -443,4 +471,5 @@ class EngineCore:
             "num_replanned_steps": self.num_replanned_steps,
             **{f"num_running_{tier}": n for tier, n in scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in scheduler.waiting.waiting_by_tier().items()},
+            **(self.lora.stats() if self.lora is not None else {}),
         }

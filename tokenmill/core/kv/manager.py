@@ -116,8 +116,10 @@ class KVCacheManager:
         return request_id in self._allocations
 
     @staticmethod
-    def namespace(request: Request) -> tuple[str | None, ...]:
-        return (request.cache_salt,)
+    def namespace(request: Request) -> tuple[str | int | None, ...]:
+        """Requests share cached KV only within one namespace: the cache salt and the LoRA adapter
+        load (None: the base model), since an adapter changes every layer's keys and values."""
+        return (request.cache_salt, request.lora_id)
 
     def match_prefix(self, request: Request) -> int:
         """Take the longest cached prefix of ``request``'s tokens; returns its length in tokens.

@@ -32,7 +32,7 @@ from tokenmill.frontend.output_processor import OutputProcessor, RequestState
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.frontend.step_cuts import PrefixEstimate, StepCuts
 from tokenmill.loader import ModelSource, resolve_model
-from tokenmill.protocol import EngineCoreOutputs
+from tokenmill.protocol import EngineCoreOutputs, UtilityValue
 from tokenmill.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineFaultError", "RequestRejectedError"]
@@ -224,6 +224,7 @@ class AsyncLLM:
         service_tier: str = "default",
         user: str | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestState, None]:
         """Run one request; yields its ``RequestState`` once accepted and then after every change.
 
@@ -231,7 +232,8 @@ class AsyncLLM:
         with an HTTP error before streaming); the last item is the finished state. The same object is
         yielded each time: read what you need before awaiting anything else. ``service_tier`` must be
         a configured tier (resolve ``auto`` first); ``timeout`` seconds after arrival the engine ends
-        the request with finish reason ``timeout``.
+        the request with finish reason ``timeout``. ``lora_name`` names a loaded LoRA adapter (None:
+        the base model).
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -245,6 +247,8 @@ class AsyncLLM:
             user=user,
             timeout=timeout,
         )
+        for core_request in core_requests:
+            core_request.lora_name = lora_name
         state = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = _Stream(
             state=state,
@@ -346,12 +350,14 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ utility calls
 
-    async def call_utility(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
+    async def call_utility(
+        self, method: str, args: dict[str, UtilityValue] | None = None, timeout: float = 30.0
+    ) -> dict[str, Any]:
         """Run an engine method by name between steps and return its result dict
         (``EngineCoreClient.call_utility``; ``UtilityCallError`` when it fails)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        return await asyncio.wait_for(self._client.call_utility(method), timeout)
+        return await asyncio.wait_for(self._client.call_utility(method, args), timeout)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache; False while running requests still hold cached blocks."""

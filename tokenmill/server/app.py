@@ -33,6 +33,7 @@ from tokenmill.server.openai_protocol import (
 )
 from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_lora import lora_model_cards, lora_router, refresh_lora_metrics
 from tokenmill.server.settings import ServerSettings
 
 Context = Annotated[ServerContext, Depends(get_context)]
@@ -54,6 +55,7 @@ async def list_models(ctx: Context) -> JSONResponse:
     cards = [
         ModelCard(id=name, max_model_len=ctx.engine.max_model_len) for name in ctx.settings.served_model_names
     ]
+    cards += lora_model_cards(ctx)
     return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
@@ -121,6 +123,7 @@ async def version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(ctx: Context) -> Response:
+    await refresh_lora_metrics(ctx)
     body, content_type = ctx.metrics.render()
     return Response(body, media_type=content_type)
 
@@ -191,6 +194,7 @@ def build_app(
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(lora_router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_keys:
         # Added last, so it runs first: an unauthorized caller learns nothing, not even a 413.

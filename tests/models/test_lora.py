@@ -174,3 +174,30 @@ def test_kernel_and_reference_agree(dtype: torch.dtype) -> None:
         assert torch.equal(fast[3:5], base_out[3:5]) and torch.equal(fast[3:5], ref[3:5])  # base rows
         assert torch.equal(fast[5:9], base_out[5:9])  # slot 2 has rank 0: untouched
         assert not torch.equal(fast[0:3], base_out[0:3])
+
+
+def test_smollm2_adapters_match_peft(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The bundled SmolLM2 (its GGUF, which tokenmill serves through the converted Hugging Face
+    folder) with two rank-16 adapters and the base in one batch, against transformers + PEFT."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_llama_family import SMOL_PLAIN, hf_greedy, smollm2_gguf
+
+    folder, name = smollm2_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    adapters = [
+        make_adapter(hf, str(tmp_path / f"s{i}"), f"s{i}", seed=40 + i, rank=16, scale=0.3) for i in range(2)
+    ]
+    llm = LLM("smollm2-135m", dtype="float32", num_blocks=96, enable_lora=True, max_loras=2, max_lora_rank=16)
+    tokenizer = llm.get_tokenizer()
+    texts = SMOL_PLAIN[:2]
+    batch = [tokenizer.encode(text) for text in texts for _ in range(3)]
+    choice = [None, 0, 1] * len(texts)
+    requests = [None if c is None else lora(adapters[c], c) for c in choice]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch], greedy(10), use_tqdm=False, lora_request=requests
+    )
+    for prompt, c, output in zip(batch, choice, outputs):
+        want = hf_greedy(hf if c is None else adapters[c].merged, prompt, 10)
+        assert output.outputs[0].token_ids == want, (c, tokenizer.decode(prompt))
+    assert outputs[1].outputs[0].token_ids != outputs[0].outputs[0].token_ids

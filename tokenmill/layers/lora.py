@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.layers import lora_kernel
 from tokenmill.layers.linear import LinearBase, MergedColumnLinear
 
 # A step with at most this many rows computes its deltas in one C++ call (a dot product per row and
@@ -136,8 +137,6 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or x.dim() != 2 or x.shape[0] != batch.num_tokens:
             return out
-        from tokenmill.layers import lora_kernel  # the kernel module builds its library lazily
-
         if batch.num_tokens <= KERNEL_MAX_ROWS and lora_kernel.applies_to(x):
             lora_kernel.lora_delta(
                 out, x, self.lora_a, self.lora_bt, self.ranks_tensor, batch.row_slots, self.piece_offsets

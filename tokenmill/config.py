@@ -151,7 +151,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)
 
-    def validate(self, executor_backend: str) -> None:
+    def validate(self) -> None:
         if not self.enable_lora:
             if self.lora_modules:
                 raise ValueError("lora_modules needs enable_lora")
@@ -162,10 +162,6 @@ class LoRAConfig:
             )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if executor_backend != "inprocess":
-            raise ValueError(
-                f"LoRA with executor_backend {executor_backend!r} is not supported yet; use inprocess"
-            )
 
 
 @dataclass
@@ -351,7 +347,7 @@ class EngineConfig:
                 f"executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}"
             )
         self.scheduler.validate()
-        self.lora.validate(self.executor_backend)
+        self.lora.validate()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")

@@ -218,6 +218,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     seed: int | None
     block_ids: list[int]
+    lora_slot: int = -1  # the request's LoRA device slot (-1: the base model)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):

@@ -178,9 +178,44 @@ def test_structured_output_under_lora(structured_model_dir, tmp_path) -> None:  
     assert output.outputs[0].text in choices
 
 
+def test_lora_under_the_multiprocess_executor(tiny_llama, adapter, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Slots reach the worker process through collective_rpc and the plan deltas: two adapters and
+    the base over one slot match the reference; a bad adapter's error comes back from the worker."""
+    other = make_adapter(tiny_llama.hf, str(tmp_path / "other"), "other", seed=8, rank=4)
+    llm = LLM(
+        tiny_llama.path,
+        dtype="float32",
+        block_size=4,
+        num_blocks=200,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+        executor_backend="mp",
+    )
+    try:
+        batch = prompts(6, seed=31)
+        choice = [0, None, 1, 0, 1, None]
+        requests = [
+            None if c is None else LoRARequest(*(("good", 1, adapter.path), ("other", 2, other.path))[c])
+            for c in choice
+        ]
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in batch], greedy(), use_tqdm=False, lora_request=requests
+        )
+        for prompt, c, output in zip(batch, choice, outputs):
+            want = (
+                tiny_llama.greedy(prompt, NUM_NEW)
+                if c is None
+                else (adapter, other)[c].greedy(prompt, NUM_NEW)
+            )
+            assert output.outputs[0].token_ids == want
+        with pytest.raises(ValueError, match="does not exist"):
+            llm.load_lora(LoRARequest("bad", 3, str(tmp_path / "missing")))
+    finally:
+        llm.engine.shutdown()
+
+
 def test_refused_combinations(tiny_llama) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match="LoRA with executor_backend 'mp' is not supported yet"):
-        build_engine_config(tiny_llama.path, enable_lora=True, executor_backend="mp").validate()
     with pytest.raises(ValueError, match="max_cpu_loras .* must be >= max_loras"):
         build_engine_config(tiny_llama.path, enable_lora=True, max_loras=4, max_cpu_loras=2).validate()
     with pytest.raises(ValueError, match="LoRA with the transformers model implementation"):

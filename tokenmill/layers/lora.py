@@ -11,7 +11,7 @@ or one C++ call over all rows (``csrc/lora_cpu.cpp`` via ``layers/lora_kernel.py
 Layout of one wrapped layer with ``P`` pieces (the merged layer's shards: q/k/v or gate/up; one for
 a plain layer), ``R`` the largest rank and ``L`` slots:
 
-- ``lora_a`` ``[L, P * R, in]``: for a slot of rank ``r``, rows ``p*r .. p*r + r - 1`` are piece
+- ``lora_a`` ``[L, P * R, in]`` (float32, as ``lora_bt``): for a slot of rank ``r``, rows ``p*r .. p*r + r - 1`` are piece
   ``p``'s ``A`` (rows past ``P * r`` unused);
 - ``lora_bt`` ``[L, R, out]``: row ``j`` holds column ``j`` of every piece's ``B`` (times the
   adapter's scaling), each in its piece's output columns;
@@ -111,12 +111,12 @@ class LoRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.max_rank = max_rank
-        dtype, device = base.weight.dtype, base.weight.device
+        device = base.weight.device
         num_pieces = len(self.pieces)
-        self.lora_a = torch.zeros(
-            max_loras, num_pieces * max_rank, self.in_features, dtype=dtype, device=device
-        )
-        self.lora_bt = torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device)
+        # float32 whatever the activations: the kernel's loops then need no conversions, and the
+        # delta is rounded once, when it is added to the base output.
+        self.lora_a = torch.zeros(max_loras, num_pieces * max_rank, self.in_features, device=device)
+        self.lora_bt = torch.zeros(max_loras, max_rank, self.out_features, device=device)
         self.ranks = [0] * max_loras
         self.ranks_tensor = torch.zeros(max_loras, dtype=torch.long, device=device)
         offsets = [offset for _, offset, _ in self.pieces] + [self.out_features]
@@ -167,13 +167,13 @@ def lora_delta_reference(
         rank = ranks[slot]
         if rank == 0:
             continue
-        xs = x[rows]  # [n, in_features]
-        shrunk = xs @ lora_a[slot, : num_pieces * rank].T  # [n, P * rank]
-        delta = torch.zeros(xs.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+        xs = x[rows].float()  # [n, in_features]
+        shrunk = xs @ lora_a[slot, : num_pieces * rank].T  # [n, P * rank] float32
+        delta = torch.zeros(xs.shape[0], out.shape[1], device=out.device)
         for index, (_, offset, size) in enumerate(pieces):
             part = shrunk[:, index * rank : (index + 1) * rank]  # [n, rank]
             delta[:, offset : offset + size] = part @ lora_bt[slot, :rank, offset : offset + size]
         if isinstance(rows, slice):
-            out[rows] += delta
+            out[rows] = (out[rows].float() + delta).to(out.dtype)
         else:
-            out.index_add_(0, rows, delta)
+            out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))

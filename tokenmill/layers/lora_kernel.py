@@ -68,7 +68,11 @@ def lora_delta(
     piece_offsets: torch.Tensor,  # [P + 1] int64
 ) -> None:
     """Add each row's adapter delta to ``out`` in one call (the contract of
-    ``layers/lora.lora_delta_reference``; float32 accumulation, one rounding per output)."""
+    ``layers/lora.lora_delta_reference``; float32 accumulation, one rounding per output). Builds the
+    kernel on first use; RuntimeError when it cannot."""
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"the LoRA CPU kernel is unavailable: {error}")
     torch.ops.tokenmill_lora.lora_shrink_expand(
         out, x.contiguous(), lora_a, lora_bt, ranks, row_slots, piece_offsets
     )

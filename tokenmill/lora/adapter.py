@@ -5,7 +5,8 @@ A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora
 ``adapter_model.safetensors`` with ``...<module>.lora_A.weight`` ``[r, in]`` and
 ``...<module>.lora_B.weight`` ``[out, r]`` per targeted module. Only safetensors are read (never a
 pickled ``adapter_model.bin``). The delta of a module is ``B A x * scaling`` with scaling
-``lora_alpha / r`` (``lora_alpha / sqrt(r)`` under rsLoRA); the scaling is folded into ``B`` here.
+``lora_alpha / r`` (``lora_alpha / sqrt(r)`` under rsLoRA); the scaling is folded into ``B`` here,
+in float32.
 
 Checkpoint modules map onto the model's projections as its weights do (``models/weights.py``):
 ``q_proj``/``k_proj``/``v_proj`` are pieces of ``qkv_proj``, ``gate_proj``/``up_proj`` of
@@ -48,7 +49,7 @@ _KEY = re.compile(
 @dataclass
 class LayerDelta:
     """One wrapped layer's share of an adapter: ``a`` ``[P * rank, in]``, ``bt`` ``[rank, out]``
-    (scaling folded in), in the adapter's compute dtype."""
+    (scaling folded in), in float32 (the wrapped layers keep their slots in float32)."""
 
     rank: int
     a: torch.Tensor
@@ -109,7 +110,7 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:  # typ
     return default
 
 
-def load_adapter(path: str, layers: dict[str, LoRALinear], max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+def load_adapter(path: str, layers: dict[str, LoRALinear], max_rank: int) -> LoRAAdapter:
     """Read the PEFT adapter folder ``path`` for a model whose wrapped layers are ``layers`` (our
     module path -> layer); ValueError for anything that does not fit, naming it."""
     folder = Path(path)
@@ -164,9 +165,7 @@ def load_adapter(path: str, layers: dict[str, LoRALinear], max_rank: int, dtype:
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         deltas.setdefault(layer_path, {})[piece] = (a, b, scaling)
         top_rank = max(top_rank, rank)
-    layer_deltas = {
-        name: _layer_delta(path, name, layers[name], pieces, dtype) for name, pieces in deltas.items()
-    }
+    layer_deltas = {name: _layer_delta(path, name, layers[name], pieces) for name, pieces in deltas.items()}
     if not layer_deltas:
         raise ValueError(f"LoRA adapter {path!r} has no LoRA weights")
     return LoRAAdapter(path=path, rank=top_rank, layers=layer_deltas)
@@ -177,7 +176,6 @@ def _layer_delta(
     name: str,
     layer: LoRALinear,
     pieces: dict[str | None, tuple[torch.Tensor, torch.Tensor, float]],
-    dtype: torch.Tensor | torch.dtype,
 ) -> LayerDelta:
     """Lay one layer's pieces out as ``LoRALinear.set_slot`` takes them, checking their shapes."""
     if None in pieces:  # a fused target: one A for every piece, B cut into the pieces' rows
@@ -212,4 +210,4 @@ def _layer_delta(
         r = a.shape[0]
         a_out[index * rank : index * rank + r] = a.float()
         bt_out[:r, offset : offset + size] = (b.float() * scaling).T
-    return LayerDelta(rank=rank, a=a_out.to(dtype), bt=bt_out.to(dtype))  # type: ignore[arg-type]
+    return LayerDelta(rank=rank, a=a_out, bt=bt_out)

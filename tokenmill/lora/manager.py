@@ -69,7 +69,7 @@ class LoRAManager:
     def add(self, lora_id: int, path: str) -> int:
         """Read and check the adapter at ``path`` as ``lora_id`` (ValueError if it does not fit the
         model); returns its rank."""
-        adapter = load_adapter(path, self.layers, self.max_lora_rank, self.dtype)
+        adapter = load_adapter(path, self.layers, self.max_lora_rank)
         self.paths[lora_id] = path
         self._cache(lora_id, adapter)
         return adapter.rank
@@ -94,7 +94,7 @@ class LoRAManager:
         started = time.perf_counter()
         adapter = self.cpu_cache.get(lora_id)
         if adapter is None:  # evicted from the CPU cache: read again
-            adapter = load_adapter(self.paths[lora_id], self.layers, self.max_lora_rank, self.dtype)
+            adapter = load_adapter(self.paths[lora_id], self.layers, self.max_lora_rank)
             self._cache(lora_id, adapter)
         self.cpu_cache.move_to_end(lora_id)
         for name, layer in self.layers.items():

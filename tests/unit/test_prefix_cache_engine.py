@@ -87,8 +87,8 @@ def test_eviction_under_pressure_keeps_outputs_exact(model) -> None:  # type: ig
         assert output.outputs[0].token_ids == model.greedy(prompt, 6)
     radix = llm.engine.kv_manager.radix
     # Caching every request's five blocks would take 30 blocks: the oldest prefix must have gone.
-    assert radix.peek_prefix_blocks((None,), prompts[0][:12]) < 3
-    assert radix.peek_prefix_blocks((None,), prompts[-1][:12]) == 3
+    assert radix.peek_prefix_blocks((None, None), prompts[0][:12]) < 3
+    assert radix.peek_prefix_blocks((None, None), prompts[-1][:12]) == 3
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])

@@ -148,6 +148,32 @@ class CacheConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (``lora/``): ``enable_lora`` wraps the model's projections; adapters go in
+    ``max_loras`` device slots (a step mixes at most that many adapters, plus the base) of rank up
+    to ``max_lora_rank``, from a CPU cache of ``max_cpu_loras`` (None: ``max_loras``).
+    ``lora_modules`` maps names to PEFT adapter folders loaded at start-up."""
+
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora")
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass
 class TierConfig:
     """One service tier (a scheduling class OpenAI's ``service_tier`` names).
 
@@ -298,6 +324,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     num_threads: int | None = None
     jump_forward: bool = True
     engine_niceness: int = 0
@@ -339,6 +366,7 @@ class EngineConfig:
         self.scheduler.validate()
         self._validate_logprobs()
         self._validate_deterministic()
+        self.lora.validate()
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
@@ -379,11 +407,18 @@ class EngineConfig:
             )
         if self.model.model_impl == "transformers":
             raise ValueError("deterministic mode needs the native model implementation, not transformers")
+        if self.lora.enable_lora:
+            raise ValueError("deterministic mode cannot be combined with LoRA yet")
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """Sort keyword arguments into the engine's config sections; unknown names raise ValueError."""
-    sections: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    sections: dict[str, Any] = {
+        "model": ModelConfig,
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "lora": LoRAConfig,
+    }
     values: dict[str, dict[str, Any]] = {name: {} for name in sections}
     engine_kwargs: dict[str, Any] = {}
     for key, value in kwargs.items():
@@ -400,5 +435,6 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         model=ModelConfig(model=model, **values["model"]),
         cache=CacheConfig(**values["cache"]),
         scheduler=SchedulerConfig(**values["scheduler"]),
+        lora=LoRAConfig(**values["lora"]),
         **engine_kwargs,
     )

@@ -15,6 +15,7 @@ from tokenmill.config import (
     LOGPROBS_MODES,
     MODEL_IMPLS,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     TierConfig,
@@ -82,6 +83,14 @@ def parse_tier_slo(text: str) -> tuple[str, dict[str, float]]:
     if not targets:
         raise argparse.ArgumentTypeError(f"--tier-slo: give ttft=SECONDS and/or tpot=SECONDS, got {text!r}")
     return name, targets
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules sql=/adapters/sql`` → ``("sql", "/adapters/sql")``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def parse_user_weight(text: str) -> tuple[str, float]:
@@ -305,6 +314,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.fair_output_weight,
         help="vtc cost of a generated token",
     )
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora", action="store_true", help="serve PEFT LoRA adapters beside the base model"
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters to load at start-up; a request picks one by model=NAME",
+    )
+    lora.add_argument(
+        "--max-loras", type=int, default=LoRAConfig.max_loras, help="adapters one step may mix (device slots)"
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank, help="largest adapter rank"
+    )
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept read on the CPU (default: --max-loras)"
+    )
     scheduler.add_argument(
         "--no-jump-forward",
         action="store_true",
@@ -366,4 +396,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "logprobs_mode": args.logprobs_mode,
         "rl_exact_logprobs": args.rl_exact_logprobs,
         "deterministic": args.deterministic,
+        "enable_lora": args.enable_lora or bool(args.lora_modules),
+        "lora_modules": dict(args.lora_modules or []),
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
     }

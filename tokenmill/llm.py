@@ -18,11 +18,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import build_engine_config
-from tokenmill.core.client import InProcClient, complete_now
+from tokenmill.core.client import InProcClient, UtilityCallError, complete_now
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.processor import InputProcessor
 from tokenmill.loader import resolve_model
+from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import EngineCoreRequest, UtilityBytes, UtilityValue
 from tokenmill.sampling_params import SamplingParams
@@ -166,12 +167,49 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt. A prompt is a string, ``{"prompt": str}`` or
-        ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one for all or one per prompt."""
+        ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one for all or one per prompt, and so
+        is ``lora_request`` (None: the base model; needs ``enable_lora``), loaded on first use."""
         prompt_list: list[PromptInput] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         encoded = [self._encode(p) for p in prompt_list]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, self._lora_names(lora_request, len(encoded)))
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Load (read and check) an adapter now; ValueError when it does not fit the model."""
+        try:
+            self.call_utility(
+                "load_lora",
+                lora_name=lora_request.lora_name,
+                lora_path=lora_request.lora_path,
+                lora_int_id=lora_request.lora_int_id,
+            )
+        except UtilityCallError as exc:
+            raise ValueError(str(exc)) from None
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Stop serving an adapter (its running requests finish with it)."""
+        try:
+            self.call_utility("unload_lora", lora_name=lora_name)
+        except UtilityCallError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[str | None]:
+        """One adapter name (or None) per prompt, each adapter loaded first."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * count
+        else:
+            requests = list(lora_request)
+            if len(requests) != count:
+                raise ValueError(
+                    f"got {len(requests)} LoRA requests for {count} prompts; give one or one per prompt"
+                )
+        for request in {r for r in requests if r is not None}:
+            self.load_lora(request)
+        return [None if r is None else r.lora_name for r in requests]
 
     def chat(
         self,
@@ -181,8 +219,10 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them and complete each."""
+        """Apply the chat template to one conversation or a list of them and complete each (with
+        ``lora_request`` as in ``generate``)."""
         conversations: list[ChatMessages]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -197,7 +237,7 @@ class LLM:
                 tools=tools,
             )
             encoded.append((text, self.input_processor.tokenize(text, add_special_tokens=False)))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, self._lora_names(lora_request, len(encoded)))
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate one completion (n must be 1) and yield its text as it is produced."""
@@ -252,7 +292,9 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_names: list[str | None] | None = None,
     ) -> list[RequestOutput]:
+        names = lora_names or [None] * len(encoded)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(encoded)
         elif isinstance(sampling_params, SamplingParams):
@@ -269,9 +311,11 @@ class LLM:
 
         order: list[str] = []
         try:
-            for (text, token_ids), params in zip(encoded, params_list):
+            for (text, token_ids), params, lora_name in zip(encoded, params_list, names):
                 request_id = str(next(self._ids))
                 core_requests = self.input_processor.make_requests(request_id, token_ids, params)
+                for core_request in core_requests:
+                    core_request.lora_name = lora_name
                 self.output_processor.add_request(request_id, text, token_ids, params)
                 self._admit(request_id, core_requests)
                 order.append(request_id)

@@ -34,7 +34,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     ``service_tier`` names the tier that schedules it (``auto`` means ``default``); lower
     ``priority`` values go first within a tier (vLLM's convention). ``user`` identifies whose fair
     share it uses. ``deadline`` is an absolute ``time.time()`` after which the request ends with
-    ``FinishReason.TIMEOUT`` wherever it is, its blocks freed.
+    ``FinishReason.TIMEOUT`` wherever it is, its blocks freed. ``lora_name`` names the loaded
+    LoRA adapter to generate with (None: the base model).
     """
 
     request_id: str
@@ -49,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     service_tier: str = "default"
     user: str | None = None
     deadline: float | None = None
+    lora_name: str | None = None
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True):
@@ -147,8 +149,10 @@ UTILITY_METHODS = (
     "continue_generation",
     "release_memory_occupation",
     "resume_memory_occupation",
+    "load_lora",
+    "unload_lora",
 )
-RESERVED_UTILITY_METHODS = ("load_lora", "unload_lora")
+RESERVED_UTILITY_METHODS: tuple[str, ...] = ()
 
 
 class UtilityCall(msgspec.Struct, tag="call", kw_only=True):
@@ -241,6 +245,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     seed: int | None
     block_ids: list[int]
+    lora_slot: int = -1  # the request's LoRA device slot (-1: the base model)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):

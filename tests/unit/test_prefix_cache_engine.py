@@ -87,9 +87,9 @@ def test_eviction_under_pressure_keeps_outputs_exact(model) -> None:  # type: ig
         assert output.outputs[0].token_ids == model.greedy(prompt, 6)
     radix = llm.engine.kv_manager.radix
     # Caching every request's five blocks would take 30 blocks: the oldest prefix must have gone.
-    # (The namespace is the cache salt and the weights' generation: KVCacheManager.namespace.)
-    assert radix.peek_prefix_blocks((None, 0), prompts[0][:12]) < 3
-    assert radix.peek_prefix_blocks((None, 0), prompts[-1][:12]) == 3
+    # (The namespace is the cache salt, the weights' generation and the LoRA load: KVCacheManager.namespace.)
+    assert radix.peek_prefix_blocks((None, 0, None), prompts[0][:12]) < 3
+    assert radix.peek_prefix_blocks((None, 0, None), prompts[-1][:12]) == 3
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])

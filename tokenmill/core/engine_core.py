@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.kv.manager import KVCacheManager
+from tokenmill.core.lora_engine import EngineLoRA
 from tokenmill.core.pause import PauseControl
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -109,6 +110,10 @@ class EngineCore:
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        # LoRA adapters and device slots (core/lora_engine.py), when enabled.
+        self.lora = (
+            EngineLoRA(config.lora, self.executor, self.scheduler) if config.lora.enable_lora else None
+        )
         self._timed_a_step = False
         # The rest of a step whose first pass ran the prompts it finishes (core/first_token_pass.py).
         self._second_pass: SchedulerOutput | None = None
@@ -134,6 +139,8 @@ class EngineCore:
             "kv_stats": lambda args: self.kv_stats(),
             **self.weights.handlers(),
             **self.pause.handlers(),
+            "load_lora": lambda args: self._lora_utility("load_lora", args),
+            "unload_lora": lambda args: self._lora_utility("unload_lora", args),
         }
         logger.info(
             "engine ready: max_model_len=%d, %d KV tokens, prefix caching %s",
@@ -195,6 +202,12 @@ class EngineCore:
         if self.pause.released:
             raise ValueError("the engine's memory is released; resume_memory_occupation first")
         request = Request(core_request, self.max_model_len)
+        if core_request.lora_name is not None:
+            if self.lora is None:
+                raise ValueError(
+                    f"LoRA adapter {core_request.lora_name!r} asked for, but LoRA is not enabled (enable_lora)"
+                )
+            self.lora.resolve(request, core_request.lora_name)
         if request.sampling_params.structured_outputs is not None:
             request.grammar = self.structured.new_state(request)
         self.scheduler.add_request(request)
@@ -268,6 +281,8 @@ class EngineCore:
         if plan.is_empty and not failed and self.structured.has_pending():
             # Everything runnable waits for a grammar: block on the compiler rather than spin.
             self.structured.wait_for_compile(timeout=0.05)
+        if self.lora is not None:
+            self.lora.before_pass()
         result = self.executor.execute(plan)
         if result.status is StepStatus.ABANDONED:
             # Abandoned between layers for a latency-critical arrival: nothing of it counts, and it
@@ -345,6 +360,8 @@ class EngineCore:
         if beside.is_empty:
             return None
         beside.grammar_bitmask = self.structured.step_bitmask(beside.scheduled, self.scheduler.requests)
+        if self.lora is not None:
+            self.lora.before_pass()
         result = self.executor.execute(beside)
         _expect_done(result, "an arrivals' pass")
         outputs = self.scheduler.update(beside, result)
@@ -479,6 +496,20 @@ class EngineCore:
         known = ", ".join(UTILITY_METHODS)
         raise ValueError(f"unknown engine method {method!r}; the engine answers {known}")
 
+    def _lora_utility(self, method: str, args: dict[str, UtilityValue]) -> dict[str, UtilityValue]:
+        """``load_lora`` / ``unload_lora`` (``core/lora_engine.py``); an error without LoRA enabled."""
+        if self.lora is None:
+            raise ValueError(
+                f"{method}: LoRA is not enabled (start the engine with enable_lora / --enable-lora)"
+            )
+        if method == "unload_lora":
+            return self.lora.unload(str(args.get("lora_name") or ""))
+        return self.lora.load(
+            str(args.get("lora_name") or ""),
+            str(args.get("lora_path") or ""),
+            int(args.get("lora_int_id") or 0),  # type: ignore[arg-type]
+        )
+
     def kv_stats(self) -> dict[str, UtilityValue]:
         """The KV cache's block counts (``KVCacheManager.stats``) and size (``kv_cache_tokens``,
         ``kv_cache_bytes``), the queues' lengths (also per tier, as ``num_running_<tier>`` and
@@ -498,4 +529,5 @@ class EngineCore:
             "paused": self.pause.blocks_steps,
             **{f"num_running_{tier}": n for tier, n in scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in scheduler.waiting.waiting_by_tier().items()},
+            **(self.lora.stats() if self.lora is not None else {}),
         }

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 PrefixLengthFn = Callable[[Request], int]
 # How many tokens past a waiting request's cached prefix name what it would compute next (``lpm``).
 NEXT_TOKENS_COMPARED = 16
-# What a waiting request computes next: its cache salt, cached prefix length and next tokens (``lpm``).
-NextTokens = tuple[str | None, int, tuple[int, ...]]
+# What a waiting request computes next: its cache salt, LoRA adapter load, cached prefix length and next tokens (``lpm``).
+NextTokens = tuple[str | None, int | None, int, tuple[int, ...]]
 
 
 class WaitingPolicy:
@@ -145,11 +145,11 @@ class LongestPrefixMatchPolicy(FCFSPolicy):
         return gain > loss
 
     def _next_tokens(self, requests: list[Request]) -> tuple[list[int], list[NextTokens]]:
-        """Each request's cached prefix length and what it computes next (its cache salt, that length
+        """Each request's cached prefix length and what it computes next (its cache salt, LoRA adapter, that length
         and the ``NEXT_TOKENS_COMPARED`` tokens past it): requests with equal keys share that work."""
         cached = [self._prefix_length(r) for r in requests]
         keys = [
-            (r.cache_salt, c, tuple(r.all_token_ids[c : c + NEXT_TOKENS_COMPARED]))
+            (r.cache_salt, r.lora_id, c, tuple(r.all_token_ids[c : c + NEXT_TOKENS_COMPARED]))
             for r, c in zip(requests, cached)
         ]
         return cached, keys

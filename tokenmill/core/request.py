@@ -38,6 +38,9 @@ class Request:
         self.group_id = core_request.group_id
         self.sibling_index = core_request.sibling_index
         self.cache_salt = core_request.cache_salt
+        # The engine's id of this request's LoRA adapter load (None: the base model), set by the
+        # engine core from ``core_request.lora_name``; part of the prefix cache's namespace.
+        self.lora_id: int | None = None
         # Scheduling class and fairness: ``auto`` is resolved to ``default`` by the scheduler.
         self.tier = core_request.service_tier
         self.user = core_request.user or ""

@@ -36,6 +36,7 @@ from tokenmill.core.admission import arrival_pass_cap, step_admission_cap
 from tokenmill.core.deadlines import mark_timed_out, past_deadline
 from tokenmill.core.fairness import VirtualTokenCounters
 from tokenmill.core.kv.manager import KVCacheManager, cdiv
+from tokenmill.core.lora_slots import LoRASlotTable
 from tokenmill.core.output_tokens import append_tokens
 from tokenmill.core.policy import make_policy
 from tokenmill.core.preemption import lowest_ranked_running, preempt
@@ -102,6 +103,8 @@ class Scheduler:
         self._recent_finishes: deque[float] = deque(maxlen=64)
         self.num_preemptions_total = 0
         self.num_forced_tokens_total = 0  # appended by jump-forward
+        # LoRA device slots (``core/lora_slots.py``), set by the engine core when LoRA is on.
+        self.lora_slots: LoRASlotTable | None = None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -243,6 +246,7 @@ class Scheduler:
                     or budget.grant(request.tier, num_new) < num_new
                     or self._tier_is_full(request.tier)
                     or not self._grammar_ready(request)
+                    or not self._lora_fits(request)
                     or sibling_leader(self.requests, request) is not None
                     or prefix_in_flight(self.running, self.tiers, self.kv, key, request)
                 ):
@@ -348,6 +352,8 @@ class Scheduler:
                 break  # this tier is done for the step; worse classes may still use what is left
             if not self._grammar_ready(request):
                 continue  # its grammar is still compiling; it does not hold up the queue
+            if not self._lora_fits(request):
+                continue  # every LoRA slot holds a running adapter; it waits for one to free up
             leader = sibling_leader(self.requests, request)
             if leader is not None and not leader_prompt_ready(leader, request, plan, self.kv.block_size):
                 continue  # wait until the leader's step computes the shared prompt blocks
@@ -398,6 +404,8 @@ class Scheduler:
             # Cached positions (all before ``prompt_logprobs_start``) have no logits: their entries are None.
             request.pending_prompt_logprobs.extend([None] * (computed - request.num_prompt_logprobs_done))
             request.num_prompt_logprobs_done = computed
+        if self.lora_slots is not None:
+            self.lora_slots.acquire(request.lora_id, (r.lora_id for r in self.running))
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -423,6 +431,11 @@ class Scheduler:
     def _grammar_ready(request: Request) -> bool:
         return request.grammar is None or request.grammar.poll()
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether ``request``'s adapter holds a LoRA slot or can get one (``core/lora_slots.py``)."""
+        slots = self.lora_slots
+        return slots is None or slots.fits(request.lora_id, (r.lora_id for r in self.running))
+
     def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
@@ -446,6 +459,7 @@ class Scheduler:
             prompt_logprobs_range=prompt_range,
             seed=None if params.seed is None else params.seed + request.sibling_index,
             skipped_draws=request.num_forced_since_sample if end == request.num_tokens else 0,
+            lora_slot=-1 if self.lora_slots is None else self.lora_slots.slot_of(request.lora_id),
         )
 
     # ------------------------------------------------------------------ applying a step's results

@@ -39,6 +39,7 @@ class ScheduledRequest:
     half-open range of prompt positions whose next-token logprobs to compute this step.
     ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
     that many draws, so its random stream is the one it would have had sampling them.
+    ``lora_slot`` is the device slot of the request's LoRA adapter (-1: the base model).
     """
 
     request_id: str
@@ -53,6 +54,7 @@ class ScheduledRequest:
     prompt_logprobs_range: tuple[int, int] | None
     seed: int | None
     skipped_draws: int = 0
+    lora_slot: int = -1
 
     @property
     def end_position(self) -> int:

@@ -50,6 +50,7 @@ class _SentRequest:
     num_outputs: int
     last_output: int | None
     block_ids: list[int]
+    lora_slot: int = -1
 
 
 class PlanEncoder:
@@ -99,6 +100,7 @@ class PlanEncoder:
             num_outputs=len(outputs),
             last_output=outputs[-1] if outputs else None,
             block_ids=list(table),
+            lora_slot=entry.lora_slot,
         )
         return NewRequestData(
             request_id=entry.request_id,
@@ -107,12 +109,15 @@ class PlanEncoder:
             sampling_params=entry.sampling_params,
             seed=entry.seed,
             block_ids=table,
+            lora_slot=entry.lora_slot,
         )
 
     def _delta(self, entry: ScheduledRequest, sent: _SentRequest) -> CachedRequestData | None:
         """The change from ``sent`` to ``entry``'s request (updating ``sent``), or None when it is not
         one a delta can say. The per-step fields are filled in by the caller."""
         if entry.prompt_token_ids is not sent.prompt or entry.sampling_params is not sent.params:
+            return None
+        if entry.lora_slot != sent.lora_slot:  # put back to wait and readmitted with another slot
             return None
         outputs, table, sent_table = entry.output_token_ids, entry.block_table, sent.block_ids
         if len(outputs) < sent.num_outputs or (
@@ -144,6 +149,7 @@ class _WorkerRequest:
     sampling_params: SamplingParams
     seed: int | None
     block_table: list[int]
+    lora_slot: int = -1
 
 
 class PlanDecoder:
@@ -164,6 +170,7 @@ class PlanDecoder:
                 sampling_params=new.sampling_params,
                 seed=new.seed,
                 block_table=new.block_ids,
+                lora_slot=new.lora_slot,
             )
         scheduled = [self._apply(delta) for delta in data.scheduled]
         return SchedulerOutput(
@@ -210,6 +217,7 @@ class PlanDecoder:
             prompt_logprobs_range=delta.prompt_logprobs_range,
             seed=state.seed,
             skipped_draws=delta.skipped_draws,
+            lora_slot=state.lora_slot,
         )
 
 

@@ -264,6 +264,7 @@ class AsyncLLM:
         service_tier: str = "default",
         user: str | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestState, None]:
         """Run one request; yields its ``RequestState`` once accepted and then after every change.
 
@@ -271,7 +272,8 @@ class AsyncLLM:
         with an HTTP error before streaming); the last item is the finished state. The same object is
         yielded each time: read what you need before awaiting anything else. ``service_tier`` must be
         a configured tier (resolve ``auto`` first); ``timeout`` seconds after arrival the engine ends
-        the request with finish reason ``timeout``.
+        the request with finish reason ``timeout``. ``lora_name`` names a loaded LoRA adapter (None:
+        the base model).
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -289,6 +291,8 @@ class AsyncLLM:
             user=user,
             timeout=timeout,
         )
+        for core_request in core_requests:
+            core_request.lora_name = lora_name
         state = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         stream = _Stream(
             state=state,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.attention.metadata import AttentionGroup, AttentionMetadata, DecodesAndChunks
+from tokenmill.layers.lora import LoRABatch
 from tokenmill.step_control import NEVER_STOP, LayerProgress, StepControl
 
 # Re-exported: these lived here before the backends owned their metadata.
@@ -45,6 +46,8 @@ class ForwardBatch:
     control: StepControl = NEVER_STOP
     # Where a paused pass goes on (the model skips the embedding and the layers before it).
     resume_from: LayerProgress | None = None
+    # Which LoRA slot each row uses (layers/lora.py); None when no row uses an adapter.
+    lora: LoRABatch | None = None
 
     def attention(self, sliding_window: int | None) -> AttentionMetadata:
         """The metadata for layers attending over ``sliding_window`` trailing positions (None: all)."""

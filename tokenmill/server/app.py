@@ -36,6 +36,7 @@ from tokenmill.server.openai_protocol import (
 from tokenmill.server.rl_routes import router as rl_router
 from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
 from tokenmill.server.serving_completions import create_completion
+from tokenmill.server.serving_lora import lora_model_cards, lora_router, refresh_lora_metrics
 from tokenmill.server.settings import ServerSettings
 from tokenmill.server.webui import install_webui, public_paths
 
@@ -58,6 +59,7 @@ async def list_models(ctx: Context) -> JSONResponse:
     cards = [
         ModelCard(id=name, max_model_len=ctx.engine.max_model_len) for name in ctx.settings.served_model_names
     ]
+    cards += lora_model_cards(ctx)
     return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
@@ -127,6 +129,7 @@ async def version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(ctx: Context) -> Response:
+    await refresh_lora_metrics(ctx)
     body, content_type = ctx.metrics.render()
     return Response(body, media_type=content_type)
 
@@ -202,6 +205,7 @@ def build_app(
     app.include_router(router)
     app.include_router(native_router)  # SGLang's native API: /generate, /model_info, ...
     app.include_router(rl_router)  # weight updates, pause, memory release (RL)
+    app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     install_webui(app, settings.webui)  # /metrics.json; the chat page and dashboard unless --no-webui
     app.add_middleware(
         RequestBodyMiddleware, max_bytes=settings.max_request_body_bytes, read_timeout=settings.body_timeout

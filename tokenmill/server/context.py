@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
@@ -25,6 +26,9 @@ class ServerContext:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        # LoRA adapters served by name (``--lora-modules``, then /v1/load_lora_adapter): name -> folder.
+        self.lora_adapters: dict[str, str] = dict(engine.config.lora.lora_modules)
+        self.lora_metrics: Any = None  # serving_lora's collector, registered on the first /metrics
 
     def resolve_service_tier(self, requested: str | None) -> str:
         """The tier a request runs in (``auto`` or none: ``default``); 400 for a tier not offered."""
@@ -38,9 +42,19 @@ class ServerContext:
         return self.settings.model_name
 
     def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is None or one of the served names."""
-        if name is not None and name not in self.settings.served_model_names:
+        """404 unless ``name`` is None, one of the served names or a LoRA adapter's."""
+        if (
+            name is not None
+            and name not in self.settings.served_model_names
+            and name not in self.lora_adapters
+        ):
             raise model_not_found(name)
+
+    def lora_name_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        return model if model in self.lora_adapters else None
 
     def check_alive(self) -> None:
         """503 at once when the engine process is gone."""

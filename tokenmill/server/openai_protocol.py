@@ -177,6 +177,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_seconds)
     owned_by: str = "tokenmill"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

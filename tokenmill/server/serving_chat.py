@@ -155,6 +155,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         service_tier=tier,
         user=request_user(body.user, raw),
         timeout=body.timeout,
+        lora_name=ctx.lora_name_for(body.model),
     )
     try:
         [state] = await open_streams(raw, [stream])

@@ -102,6 +102,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
             service_tier=tier,
             user=user,
             timeout=body.timeout,
+            lora_name=ctx.lora_name_for(body.model),
         )
         for i, p in enumerate(prompts)
     ]

@@ -30,6 +30,7 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
@@ -133,6 +134,7 @@ class ModelRunner:
                 description += f", the int4 kernel on {exact_int4} exactly 4-bit layers (lossless)"
             if exact_q8:
                 description += ", the LM head on its exact 8-bit groups (lossless)"
+        self.lora = self._make_lora(config)
         logger.info(
             "model %s (%s implementation: %s, %s) ready in %.1f s",
             source.name,
@@ -256,6 +258,8 @@ class ModelRunner:
     def _check_updatable(self) -> None:
         if self.model_impl != "native":
             raise ValueError("weight updates need model_impl='native' (the transformers fallback has none)")
+        if self.lora is not None:
+            raise ValueError("weight updates with LoRA enabled are not supported yet")
         if self._released_weights is not None:
             raise ValueError("the weights are released; resume_memory_occupation first")
 
@@ -327,6 +331,38 @@ class ModelRunner:
                 dtype=self._kv_dtype,
                 device=self.device,
             )
+
+    def _make_lora(self, config: EngineConfig) -> LoRAManager | None:
+        """Wrap the projections for LoRA (``lora/manager.py``) when enabled; a ValueError for a model
+        it cannot adapt (the transformers fallback runs its own modules)."""
+        lora = config.lora
+        if not lora.enable_lora:
+            return None
+        if self.model_impl == "transformers":
+            raise ValueError(
+                "LoRA with the transformers model implementation is not supported; use a native model"
+            )
+        return LoRAManager(
+            self.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras, self.dtype
+        )
+
+    def _lora_or_fail(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled in this model runner")
+        return self.lora
+
+    def add_lora(self, lora_id: int, path: str) -> int:
+        """Read and check the PEFT adapter at ``path`` as ``lora_id`` (ValueError when it does not fit
+        the model); returns its rank. Reached through ``Executor.collective_rpc``."""
+        return self._lora_or_fail().add(lora_id, path)
+
+    def load_lora_slot(self, slot: int, lora_id: int) -> float:
+        """Put adapter ``lora_id`` in device slot ``slot``; returns the seconds it took."""
+        return self._lora_or_fail().load_slot(slot, lora_id)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget adapter ``lora_id`` (no request uses it any more)."""
+        self._lora_or_fail().remove(lora_id)
 
     # ------------------------------------------------------------------ one step
 
@@ -428,7 +464,10 @@ class ModelRunner:
         """Logits ``[num_logit_rows, vocab_size]`` for ``batch.logits_rows``, or the ``LayerProgress``
         where ``batch.control`` stopped the forward (``models/base.py``: native models and the
         transformers fallback share this interface)."""
-        return self.model.forward_logits(batch)
+        if self.lora is None:
+            return self.model.forward_logits(batch)
+        with self.lora.state.bound(batch.lora):
+            return self.model.forward_logits(batch)
 
     def _sample(
         self,
@@ -533,6 +572,8 @@ class ModelRunner:
             logits_rows=torch.tensor(sample_rows + prompt_row_ids, dtype=torch.long, device=device),
             attn_by_window=attn_by_window,
         )
+        if self.lora is not None:
+            batch.lora = self.lora.batch_for([(e.lora_slot, len(e.token_ids)) for e in entries], device)
         return batch, sample_entries, prompt_rows
 
     def set_interrupt(self, flag: InterruptFlag | None) -> None:

@@ -117,9 +117,10 @@ class KVCacheManager:
         return request_id in self._allocations
 
     def namespace(self, request: Request) -> tuple[str | int | None, ...]:
-        """A request's radix namespace: its cache salt and the weights' generation, so KV computed
-        under other weights is never matched (``start_weight_generation``)."""
-        return (request.cache_salt, self.weight_generation)
+        """A request's radix namespace: its cache salt, the weights' generation (KV computed under
+        other weights is never matched, ``start_weight_generation``) and its LoRA adapter load (None:
+        the base model), since an adapter changes every layer's keys and values."""
+        return (request.cache_salt, self.weight_generation, request.lora_id)
 
     def start_weight_generation(self, generation: int) -> int:
         """New weights from now on: KV computed before is stale. Every live allocation stops

@@ -6,6 +6,7 @@ Defaults come from the config dataclasses so there is one source for each of the
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from tokenmill.config import (
@@ -16,6 +17,7 @@ from tokenmill.config import (
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TierConfig,
     standard_tiers,
 )
@@ -76,6 +78,22 @@ def parse_tier_slo(text: str) -> tuple[str, dict[str, float]]:
     if not targets:
         raise argparse.ArgumentTypeError(f"--tier-slo: give ttft=SECONDS and/or tpot=SECONDS, got {text!r}")
     return name, targets
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config '{"method": "ngram", ...}'`` → a validated ``SpeculativeConfig``."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config: not JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise argparse.ArgumentTypeError(f"--speculative-config: expected a JSON object, got {text!r}")
+    try:
+        config = SpeculativeConfig.from_dict(values)
+        config.validate()
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config: {exc}") from None
+    return config
 
 
 def parse_user_weight(text: str) -> tuple[str, float]:
@@ -156,6 +174,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=list(EXECUTOR_BACKENDS),
         help="inprocess runs the model in the engine's process; mp in one worker child process that "
         "gets each step's plan as a delta (the base of tensor parallelism)",
+    )
+    model.add_argument(
+        "--speculative-config",
+        type=parse_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: method, '
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_confidence, adaptive); "
+        "greedy output is unchanged, seeded output too with ngram",
     )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -330,4 +357,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "fair_output_weight": args.fair_output_weight,
         "jump_forward": not args.no_jump_forward,
         "executor_backend": args.executor_backend,
+        "speculative_config": args.speculative_config,
     }

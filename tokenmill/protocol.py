@@ -236,6 +236,8 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     forbidden_token_ids: list[int]
     prompt_logprobs_range: tuple[int, int] | None
     skipped_draws: int
+    # Speculative drafts to verify: computed after the real tokens, never kept as outputs.
+    draft_token_ids: list[int] = []
 
 
 class GrammarBitmaskData(msgspec.Struct, kw_only=True):
@@ -315,6 +317,8 @@ class StepDone(msgspec.Struct, tag="done", kw_only=True):
     logprobs: dict[str, PositionLogprobs]
     prompt_logprobs: dict[str, list[PositionLogprobs]]
     draft_token_ids: dict[str, list[int]]
+    verified_token_ids: dict[str, list[int]] = {}
+    verified_logprobs: dict[str, list[PositionLogprobs]] = {}
 
 
 class WorkerCallResult(msgspec.Struct, tag="result", kw_only=True):

@@ -106,7 +106,9 @@ class EngineCore:
             sliding_window=self.executor.kv_window,
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.max_model_len, speculative=config.speculative_config
+        )
         self._timed_a_step = False
         # The rest of a step whose first pass ran the prompts it finishes (core/first_token_pass.py).
         self._second_pass: SchedulerOutput | None = None
@@ -142,7 +144,11 @@ class EngineCore:
         started = time.perf_counter()
         scheduler = self.scheduler
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv_manager, self.max_model_len, step_time=scheduler.step_time
+            self.config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            step_time=scheduler.step_time,
+            speculative=self.config.speculative_config,
         )
         vocab_size = int(self.source.hf_config.vocab_size)
         longest = max(
@@ -441,6 +447,7 @@ class EngineCore:
             "num_interrupted_steps": self.num_interrupted_steps,
             "num_paused_steps": self.num_paused_steps,
             "num_replanned_steps": self.num_replanned_steps,
+            **scheduler.spec.stats(),
             **{f"num_running_{tier}": n for tier, n in scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in scheduler.waiting.waiting_by_tier().items()},
         }

@@ -39,6 +39,9 @@ class ScheduledRequest:
     half-open range of prompt positions whose next-token logprobs to compute this step.
     ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
     that many draws, so its random stream is the one it would have had sampling them.
+    ``draft_token_ids`` are speculative drafts to verify: the last ``len(draft_token_ids)`` entries of
+    ``token_ids`` (a sampling step's last real token comes just before them). The step computes logits
+    at that token and at every draft, and the rejection sampler keeps the drafts the target agrees with.
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class ScheduledRequest:
     prompt_logprobs_range: tuple[int, int] | None
     seed: int | None
     skipped_draws: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end_position(self) -> int:
@@ -110,12 +114,17 @@ class ModelRunnerOutput:
 
     ``status`` says whether the step ran to the end (only then do the other fields hold anything);
     ``layers_done`` is the share of the model's layers a ``PAUSED`` step has run (0.0 to 1.0).
-    ``draft_token_ids`` holds a speculative proposer's draft tokens per request (empty for now).
+    ``draft_token_ids`` holds a speculative proposer's drafts per request, for the next step.
+    ``verified_token_ids`` holds, for a request whose plan entry carried drafts, every token its
+    verification produced (the accepted drafts, then one token the target sampled); its first token is
+    also in ``sampled_token_ids``. ``verified_logprobs`` holds one entry per such token when asked.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     status: StepStatus = StepStatus.DONE
     layers_done: float = 1.0

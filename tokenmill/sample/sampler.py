@@ -119,7 +119,7 @@ class Sampler(torch.nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        processors = _shared_processors(metadata)
+        processors = shared_processors(metadata)
         if metadata.all_greedy and metadata.max_num_logprobs is None and not processors:
             # Upcasting is exact and keeps the order, so the argmax of bfloat16 logits is the float32
             # one; skipping the copy saves a [num_rows, vocab] float32 tensor per step.
@@ -151,21 +151,28 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        temperature = metadata.temperature  # [num_rows]
-        if not metadata.all_random:
-            # Greedy rows' draws are discarded; 1.0 just keeps them finite.
-            temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        logits = apply_temperature(logits, temperature)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-
-        probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+        probs = random_row_probs(logits, metadata)  # [num_rows, vocab]
         uniforms = row_uniforms(probs.shape[0], metadata.generators, logits.device)  # [num_rows]
         return sample_from_probs(probs, uniforms)  # [num_rows]
 
 
-def _shared_processors(metadata: SamplingMetadata) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+def random_row_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: the processed ``logits`` (float32, may be edited in
+    place) through temperature, min-p, top-k and top-p, softmaxed; ``[num_rows, vocab]``. Greedy
+    rows get temperature 1 (their rows are not used). Speculative verification uses it as the target
+    distribution, so drafts are accepted against exactly what the sampler would draw from."""
+    temperature = metadata.temperature  # [num_rows]
+    if not metadata.all_random:
+        # Greedy rows' draws are discarded; 1.0 just keeps them finite.
+        temperature = torch.where(temperature == 0.0, 1.0, temperature)
+    logits = apply_temperature(logits, temperature)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    return logits.softmax(dim=-1)  # [num_rows, vocab]
+
+
+def shared_processors(metadata: SamplingMetadata) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """The processors this batch needs that change which token is best (so they apply before greedy's
     argmax too), in the order they apply; empty when the logits go to sampling as they are."""
     processors: list[Callable[[torch.Tensor], torch.Tensor]] = []

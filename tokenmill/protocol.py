@@ -97,6 +97,11 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     num_waiting_by_tier: dict[str, int] = {}
     # Tokens appended this step by jump-forward (forced by a grammar, not sampled).
     num_forced_tokens: int = 0
+    # Running totals of speculative decoding: draft tokens verified, accepted, and accepted per
+    # draft position (index 0: the first draft of a step).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -363,6 +363,9 @@ class EngineCore:
             prefix_cache_hit_tokens=self.kv_manager.prefix_hit_tokens,
             num_running_by_tier=self.scheduler.running_by_tier(),
             num_waiting_by_tier=self.scheduler.waiting.waiting_by_tier(),
+            spec_num_draft_tokens=self.scheduler.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.scheduler.spec.num_accepted_tokens,
+            spec_accepted_per_position=list(self.scheduler.spec.accepted_at),
         )
 
     def _make_grammar_backend(self) -> GrammarBackend:

@@ -24,7 +24,6 @@ from tokenmill.core.kv.manager import cdiv
 from tokenmill.core.spec_decode import EXPLORE_STEPS, SpecDecodeState
 from tokenmill.core.step_time import StepTimeModel
 from tokenmill.protocol import EngineCoreRequest
-from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.spec.proposer import DraftContext
 
 K = 4
@@ -268,11 +267,7 @@ def test_seeded_sampling_with_drafts_is_what_it_is_without_them(model: TinyModel
 # ---------------------------------------------------------------- configuration and errors
 
 
-def test_unsupported_combinations_and_bad_configs_are_clear_errors(model: TinyModel) -> None:
-    llm = make_llm(model)
-    structured = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="w5"))
-    with pytest.raises(ValueError, match="structured outputs are not supported with speculative decoding"):
-        generate(llm, [PROMPTS[0]], structured)
+def test_bad_configs_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
         build_engine_config("m", speculative_config={"method": "draft_model"}).validate()
     with pytest.raises(ValueError, match="method must be one of"):
@@ -283,6 +278,36 @@ def test_unsupported_combinations_and_bad_configs_are_clear_errors(model: TinyMo
         build_engine_config(
             "m", speculative_config={"prompt_lookup_min": 4, "prompt_lookup_max": 2}
         ).validate()
+
+
+def test_structured_outputs_verify_drafts_against_the_grammar(structured_model_dir: str) -> None:
+    """Drafts the grammar rejects are not verified, every verified position is masked, the matcher
+    follows only the emitted tokens, and jump-forward goes on after a verification: seeded and greedy
+    outputs equal those without speculation, and every one validates."""
+    import json
+
+    import jsonschema
+    from test_structured_outputs import PROMPTS as TEXTS
+    from test_structured_outputs import SCHEMAS, json_params
+
+    params = [json_params(SCHEMAS[i % len(SCHEMAS)], seed=40 + i, n=2, max_tokens=120) for i in range(4)]
+    params[3] = json_params(SCHEMAS[3], temperature=0.0, max_tokens=120)
+    options: dict[str, object] = {"dtype": "float32", "max_model_len": 512, "num_blocks": 256}
+    plain = LLM(structured_model_dir, **options).generate(TEXTS, params, use_tqdm=False)
+    llm = LLM(structured_model_dir, speculative_config=SPEC, **options)
+    tokenizer = llm.get_tokenizer()
+    oracle = use_oracle(
+        llm, [(tokenizer.encode(t), c.token_ids) for t, o in zip(TEXTS, plain) for c in o.outputs]
+    )
+    oracle.vocab = len(tokenizer)
+    got = llm.generate(TEXTS, params, use_tqdm=False)
+    for i, (want, have) in enumerate(zip(plain, got)):
+        assert [c.token_ids for c in have.outputs] == [c.token_ids for c in want.outputs]
+        for completion in have.outputs:
+            assert completion.finish_reason == "stop", completion.text
+            jsonschema.validate(json.loads(completion.text), SCHEMAS[i % len(SCHEMAS)])
+    stats = llm.engine.kv_stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
 
 
 def test_adaptive_drafting_stops_on_a_compute_bound_step() -> None:

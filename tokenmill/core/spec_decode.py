@@ -70,12 +70,6 @@ class SpecDecodeState:
         """Refuse (ValueError) a request whose features do not compose with speculative decoding yet."""
         if self.config is None:
             return
-        if request.sampling_params.structured_outputs is not None:
-            raise ValueError(
-                "structured outputs are not supported with speculative decoding yet "
-                f"(speculative_config method {self.config.method!r}); send the request to an engine "
-                "without --speculative-config"
-            )
 
     def begin_step(self, num_running: int) -> None:
         """Fix the step's bound on a draft's acceptance probability (0 when the step-time model cannot
@@ -107,6 +101,9 @@ class SpecDecodeState:
         if self.config is None or not drafts or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         limit = min(len(drafts), request.max_tokens - request.num_output_tokens - 1)
+        if limit > 0 and request.grammar is not None:
+            # Only drafts the grammar allows are worth verifying (each is masked at its position).
+            limit = request.grammar.valid_draft_prefix(drafts[:limit])
         if self.draft_cost_bound <= 0.0:
             self._step_drafted = self._step_drafted or limit > 0
             return max(0, limit)
@@ -144,8 +141,13 @@ class SpecDecodeState:
             stopped = append_one(request, token)
             if stopped:
                 break
-        request.num_forced_since_sample = 0
-        request.num_computed_tokens += min(num_accepted, len(appended))
+        num_verified = len(appended)
+        grammar = request.grammar
+        while not stopped and grammar is not None and (forced := grammar.forced_token()) is not None:
+            appended.append(forced)  # jump-forward, as after a plain sample (core/output_tokens.py)
+            stopped = append_one(request, forced)
+        request.num_forced_since_sample = len(appended) - num_verified
+        request.num_computed_tokens += min(num_accepted, num_verified)
         kv.trim_slots(request, request.num_tokens)
         kv.cache_computed_blocks(request)
         kv.release_out_of_window_blocks(request)

@@ -21,8 +21,9 @@ from tokenmill.sampling_params import SamplingParams
 class GrammarBitmask:
     """One step's allowed-token bitmasks for the constrained sampling rows.
 
-    ``rows[request_id]`` is the row of ``bitmask`` (``[num_constrained, ceil(vocab / 32)]`` int32)
-    for that request; requests without a grammar are absent and their logits are left alone.
+    ``rows[request_id]`` is the row of ``bitmask`` (``[num_rows, ceil(vocab / 32)]`` int32) for that
+    request (its first of ``1 + len(draft_token_ids)`` consecutive rows when its entry verifies
+    speculative drafts); requests without a grammar are absent and their logits are left alone.
     """
 
     rows: dict[str, int]

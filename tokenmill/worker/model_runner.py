@@ -294,8 +294,6 @@ class ModelRunner:
         if not drafted:
             self._sample_plain(logits, entries, output, grammar)
         else:
-            if grammar is not None and any(entry.request_id in grammar.rows for entry in drafted):
-                raise RuntimeError("drafts were planned for a grammar-constrained request")
             plain_rows: list[int] = []
             drafted_rows: list[int] = []
             row = 0
@@ -308,7 +306,7 @@ class ModelRunner:
                 rows = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
                 self._sample_plain(logits[rows], plain, output, grammar)
             rows = torch.tensor(drafted_rows, dtype=torch.long, device=logits.device)
-            verify_entries(logits[rows], drafted, self._generator_for, output, self.device)
+            verify_entries(logits[rows], drafted, self._generator_for, output, self.device, grammar)
         if self.proposer is not None:
             contexts = draft_contexts(entries, output, self.num_speculative_tokens)
             output.draft_token_ids = self.proposer.propose(contexts)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.core.step_io import ModelRunnerOutput, ScheduledRequest
+from tokenmill.core.step_io import GrammarBitmask, ModelRunnerOutput, ScheduledRequest
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata
 from tokenmill.sample.rejection import verify_drafts
@@ -25,10 +25,12 @@ def verify_entries(
     generator_for: Callable[[ScheduledRequest], torch.Generator | None],
     output: ModelRunnerOutput,
     device: torch.device,
+    grammar: GrammarBitmask | None,
 ) -> None:
     """Verify ``entries``' drafts against ``logits`` (``1 + len(drafts)`` rows per entry, in order)
     and record the tokens each keeps (``output.verified_token_ids``, first one also in
-    ``sampled_token_ids``) and their logprobs when asked."""
+    ``sampled_token_ids``) and their logprobs when asked. A constrained entry's rows are masked with
+    its ``1 + len(drafts)`` consecutive rows of ``grammar``."""
     rows: list[RowSamplingInput] = []
     for entry in entries:
         generator = generator_for(entry)
@@ -39,6 +41,7 @@ def verify_entries(
             or params.repetition_penalty != 1.0
         )
         num_outputs = len(entry.output_token_ids)
+        first_mask = None if grammar is None else grammar.rows.get(entry.request_id)
         for j in range(len(entry.draft_token_ids) + 1):
             outputs = entry.output_token_ids
             if uses_outputs and j:
@@ -51,6 +54,7 @@ def verify_entries(
                     prompt_token_ids=entry.prompt_token_ids,
                     output_token_ids=outputs,
                     block_ids_for_min_tokens=forbidden,
+                    grammar_bitmask=None if first_mask is None else grammar.bitmask[first_mask + j],  # type: ignore[union-attr]
                 )
             )
     metadata = build_sampling_metadata(rows, device)

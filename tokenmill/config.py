@@ -275,8 +275,8 @@ class SchedulerConfig:
 
 # Speculative decoding methods (``SpeculativeConfig.method``): which run today, and which are named
 # by the design but not built yet (asking for one is a start-up error saying so).
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_METHODS_PLANNED = ("draft_model", "eagle", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS_PLANNED = ("eagle", "eagle3", "mtp")
 
 
 @dataclass
@@ -289,7 +289,8 @@ class SpeculativeConfig:
     drafter stops at the first draft token whose own probability estimate is below it (0 turns the
     cut off). ``adaptive``: the scheduler drafts fewer tokens (or none) per request on a step where
     the step-time model says extra tokens cost more than their expected accepted share brings.
-    ``model``: the draft model of ``draft_model`` (not built yet).
+    ``model``: the draft model of ``draft_model`` (a bundled alias, folder or GGUF with the target's
+    vocabulary; it drafts greedily with its own KV cache in the worker: ``worker/draft_model.py``).
     """
 
     method: str = "ngram"
@@ -318,6 +319,12 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft model')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(
+                f'speculative_config "model" is only for method "draft_model", not {self.method!r}'
             )
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(

@@ -268,7 +268,9 @@ def test_seeded_sampling_with_drafts_is_what_it_is_without_them(model: TinyModel
 
 
 def test_bad_configs_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
+    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
+        build_engine_config("m", speculative_config={"method": "eagle"}).validate()
+    with pytest.raises(ValueError, match='"draft_model" needs "model"'):
         build_engine_config("m", speculative_config={"method": "draft_model"}).validate()
     with pytest.raises(ValueError, match="method must be one of"):
         build_engine_config("m", speculative_config={"method": "magic"}).validate()
@@ -395,3 +397,49 @@ def test_plans_with_drafts_round_trip_as_deltas(model: TinyModel) -> None:
     llm.engine.executor.execute = round_trip  # type: ignore[method-assign]
     assert token_ids(generate(llm, PROMPTS, greedy(logprobs=1))) == expected
     assert num_drafted[0] > 0
+
+
+def test_a_draft_model_keeps_greedy_and_seeded_outputs_and_frees_its_blocks(
+    model: TinyModel, tiny_model: Callable[[str], TinyModel]
+) -> None:
+    """The target itself as drafter accepts most drafts (every greedy one); another model of the same
+    vocabulary gets drafts rejected. Either way outputs are those without speculation, and the
+    drafter's cache blocks all come back when the requests end."""
+    from tokenmill.worker.draft_model import DraftModelProposer
+
+    greedy_params = greedy()
+    seeded = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=NUM_NEW, ignore_eos=True)
+    plain = make_llm(model, None)
+    want_greedy = token_ids(generate(plain, PROMPTS, greedy_params))
+    want_seeded = [[c.token_ids for c in o.outputs] for o in generate(plain, PROMPTS, seeded)]
+    for drafter, min_length in ((model.path, 3.0), (tiny_model("mistral").path, 1.0)):
+        spec = {"method": "draft_model", "model": drafter, "num_speculative_tokens": K}
+        llm = make_llm(model, spec, num_blocks=64, max_num_batched_tokens=32)
+        assert token_ids(generate(llm, PROMPTS, greedy_params)) == want_greedy
+        assert [[c.token_ids for c in o.outputs] for o in generate(llm, PROMPTS, seeded)] == want_seeded
+        stats = llm.engine.kv_stats()
+        assert stats["spec_num_draft_tokens"] > 0
+        assert stats["spec_mean_accepted_length"] >= min_length, stats
+        proposer = llm.engine.executor.runner.proposer  # type: ignore[attr-defined]
+        assert isinstance(proposer, DraftModelProposer)
+        llm.engine.executor.execute(llm.engine.scheduler.schedule())  # tells the worker who finished
+        assert sorted(proposer.free_blocks) == list(range(proposer.runner.num_blocks))
+    with pytest.raises(ValueError, match="must share the target's vocabulary"):
+        make_llm(model, {"method": "draft_model", "model": str(tiny_model_dir_of_other_vocab(model))})
+
+
+def tiny_model_dir_of_other_vocab(model: TinyModel) -> str:
+    """A copy of the tiny model's folder whose config says another vocabulary size."""
+    import json
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="tiny-other-vocab-")
+    shutil.copytree(model.path, folder, dirs_exist_ok=True)
+    config_path = f"{folder}/config.json"
+    with open(config_path) as f:
+        config = json.load(f)
+    config["vocab_size"] = 161
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return folder

@@ -35,7 +35,8 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names (the config was validated: the method is built)."""
+    """The proposer ``config.method`` names, for the methods that need no model (``draft_model``
+    runs a model: the worker builds it, ``worker/draft_model.py``)."""
     if config.method == "ngram":
         from tokenmill.spec.ngram import NgramProposer
 

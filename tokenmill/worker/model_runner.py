@@ -168,7 +168,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # Speculative decoding's drafter (spec/), run after each step's sampling; None when off.
         spec = config.speculative_config
-        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            from tokenmill.worker.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(config, int(source.hf_config.vocab_size), self.num_blocks)
+        elif spec is not None:
+            self.proposer = make_proposer(spec)
         self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
         # The step the interrupt paused between layers, until the engine resumes or discards it.
         self._paused: SuspendedStep | None = None

@@ -32,7 +32,15 @@ from tokenmill.loader import resolve_model
 METHODS: dict[str, dict[str, Any] | None] = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    # Without the confidence cut and the adaptive draft length: every draft found is verified.
+    "ngram-fixed": {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "draft_confidence": 0.0,
+        "adaptive": False,
+    },
 }
+DEFAULT_METHODS = "off,ngram"
 
 
 def code_prompts(num: int) -> list[str]:
@@ -111,14 +119,18 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--num-prompts", type=int, default=6, help="prompts per workload (single stream)")
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16, help="1: single stream only")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    parser.add_argument(
+        "--methods", default=DEFAULT_METHODS, help=f"comma-separated, of {', '.join(METHODS)}"
+    )
+    parser.add_argument("--workloads", default="code,chat", help="comma-separated, of code, chat")
     args = parser.parse_args()
     methods = args.methods.split(",")
+    num = max(args.num_prompts, args.concurrency)
     workloads = {
-        "code": code_prompts(max(args.num_prompts, args.concurrency)),
-        "chat": chat_prompts(max(args.num_prompts, args.concurrency), args.model),
+        name: code_prompts(num) if name == "code" else chat_prompts(num, args.model)
+        for name in args.workloads.split(",")
     }
     print(f"speculative decoding, {args.model}, {cpu_name()}, tokenmill {git_describe()}")
     results: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -129,7 +141,8 @@ def main() -> None:
         with tokenmill(args.model, extra) as url:
             for workload, prompts in workloads.items():
                 phases = {"1 stream": (prompts[: args.num_prompts], 1)}
-                phases[f"{args.concurrency} concurrent"] = (prompts[: args.concurrency], args.concurrency)
+                if args.concurrency > 1:
+                    phases[f"{args.concurrency} concurrent"] = (prompts[: args.concurrency], args.concurrency)
                 for phase, (chosen, concurrency) in phases.items():
                     results[(method, workload, phase)] = asyncio.run(
                         run_phase(url, chosen, concurrency, args.max_tokens)
@@ -138,7 +151,7 @@ def main() -> None:
         f"{'workload':8} {'phase':14} {'method':8} {'tok/s':>8} {'ratio':>6} {'TTFT ms':>8} {'acc.len':>7} same"
     )
     for workload in workloads:
-        for phase in ("1 stream", f"{args.concurrency} concurrent"):
+        for phase in ("1 stream", f"{args.concurrency} concurrent")[: 2 if args.concurrency > 1 else 1]:
             base = results.get(("off", workload, phase))
             for method in methods:
                 row = results[(method, workload, phase)]

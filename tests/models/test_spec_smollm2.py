@@ -37,11 +37,36 @@ def test_smollm2_greedy_with_ngram_drafts_matches_transformers(smol_spec: LLM, s
     assert stats["spec_mean_accepted_length"] > 2.0, stats
 
 
+CODE = (
+    "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+    '    """ Check if in given list of numbers, are any two numbers closer to each other than\n'
+    "    given threshold.\n    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n"
+    '    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n    """\n'
+    "    for idx, elem in enumerate(numbers):\n        for idx2, elem2 in enumerate(numbers):\n"
+    "            if idx != idx2:\n                distance = abs(elem - elem2)\n"
+    "                if distance < threshold:\n                    return True\n\n    return False\n"
+)
+COPY_CHAT = [
+    {
+        "role": "user",
+        "content": "Copy this Python function exactly, changing only its name from `has_close_elements` to "
+        f"`has_close_elements_v2`. Reply with the code only.\n\n```python\n{CODE}```",
+    }
+]
+
+
 def test_smollm2_bfloat16_tokens_are_the_same_with_speculation_on_and_off() -> None:
+    """In bfloat16 the verifying step's rows attend as decodes (``rows_as_decodes_preferred``), so they
+    round as the decode steps they stand for: this copy request diverged at its 34th token when the
+    drafts' rows went through the prefill kernel."""
     smollm2_gguf()
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     results = []
     for spec in (None, SPEC):
         llm = LLM("smollm2-135m", dtype="bfloat16", num_blocks=64, speculative_config=spec)
-        results.append([o.outputs[0].token_ids for o in llm.generate(COPY_PROMPTS, params, use_tqdm=False)])
+        outputs = llm.generate(COPY_PROMPTS, params, use_tqdm=False)
+        outputs += llm.chat(COPY_CHAT, params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outputs])
+        if spec is not None:
+            assert llm.kv_stats()["spec_mean_accepted_length"] > 2.0
     assert results[0] == results[1]

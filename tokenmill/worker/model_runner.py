@@ -399,6 +399,9 @@ class ModelRunner:
         attn_by_window = self.attn_backend.build_metadata(
             sequences, slot_mapping, bs, self.layer_sliding_windows
         )
+        if any(entry.draft_token_ids for entry in entries):
+            for metadata in attn_by_window.values():
+                metadata.rows_as_decodes_preferred = True
 
         sample_entries: list[ScheduledRequest] = []
         sample_rows: list[int] = []

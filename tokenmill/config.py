@@ -308,6 +308,72 @@ class SchedulerConfig:
             raise ValueError(f"max_exclusive_steps must be >= 0, got {self.max_exclusive_steps}")
 
 
+# Speculative decoding methods (``SpeculativeConfig.method``): which run today, and which are named
+# by the design but not built yet (asking for one is a start-up error saying so).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS_PLANNED = ("eagle", "eagle3", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (``spec/``; off when ``EngineConfig.speculative_config`` is None).
+
+    ``method``: ``ngram`` proposes the tokens that followed the latest earlier occurrence of the
+    sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens (prompt lookup; no model).
+    ``num_speculative_tokens``: the most draft tokens per request and step. ``draft_confidence``: the
+    drafter stops at the first draft token whose own probability estimate is below it (0 turns the
+    cut off). ``adaptive``: the scheduler drafts fewer tokens (or none) per request on a step where
+    the step-time model says extra tokens cost more than their expected accepted share brings.
+    ``model``: the draft model of ``draft_model`` (a bundled alias, folder or GGUF with the target's
+    vocabulary; it drafts greedily with its own KV cache in the worker: ``worker/draft_model.py``).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_confidence: float = 0.5
+    adaptive: bool = True
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """``LLM(speculative_config={...})`` / ``--speculative-config '{json}'``; unknown keys raise."""
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            known = ", ".join(cls.__dataclass_fields__)
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known keys: {known}")
+        return cls(**values)
+
+    def validate(self) -> None:
+        if self.method in SPECULATIVE_METHODS_PLANNED:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported yet; supported: "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft model')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(
+                f'speculative_config "model" is only for method "draft_model", not {self.method!r}'
+            )
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(
+                f"num_speculative_tokens must be within 1..32, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if not 0.0 <= self.draft_confidence <= 1.0:
+            raise ValueError(f"draft_confidence must be within [0, 1], got {self.draft_confidence}")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine core needs at start-up.
@@ -339,6 +405,8 @@ class EngineConfig:
     # Batch-invariant outputs (layers/attention/deterministic.py): a request's tokens and logprobs
     # do not depend on the other requests, the chunk size, prefix-cache hits or preemption.
     deterministic: bool = False
+    # Speculative decoding (spec/), or None for none.
+    speculative_config: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -367,6 +435,12 @@ class EngineConfig:
         self._validate_logprobs()
         self._validate_deterministic()
         self.lora.validate()
+        if self.speculative_config is not None:
+            self.speculative_config.validate()
+            if self.lora.enable_lora:
+                raise ValueError("speculative decoding cannot be combined with LoRA yet")
+            if self.deterministic:
+                raise ValueError("deterministic mode cannot be combined with speculative decoding yet")
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
@@ -427,7 +501,9 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
                 values[section][key] = value
                 break
         else:
-            if key in EngineConfig.__dataclass_fields__ and key not in sections:
+            if key == "speculative_config" and isinstance(value, dict):
+                engine_kwargs[key] = SpeculativeConfig.from_dict(value)
+            elif key in EngineConfig.__dataclass_fields__ and key not in sections:
                 engine_kwargs[key] = value
             else:
                 raise ValueError(f"unknown engine argument {key!r}")

@@ -6,6 +6,7 @@ Defaults come from the config dataclasses so there is one source for each of the
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from tokenmill.config import (
@@ -18,6 +19,7 @@ from tokenmill.config import (
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TierConfig,
     standard_tiers,
 )
@@ -91,6 +93,22 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"--lora-modules: expected NAME=PATH, got {text!r}")
     return name, path
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config '{"method": "ngram", ...}'`` → a validated ``SpeculativeConfig``."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config: not JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise argparse.ArgumentTypeError(f"--speculative-config: expected a JSON object, got {text!r}")
+    try:
+        config = SpeculativeConfig.from_dict(values)
+        config.validate()
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config: {exc}") from None
+    return config
 
 
 def parse_user_weight(text: str) -> tuple[str, float]:
@@ -177,6 +195,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant outputs: a request's tokens and logprobs do not depend on other requests, "
         "chunk sizes, prefix-cache hits or preemption (needs --dtype float32; slower)",
+    )
+    model.add_argument(
+        "--speculative-config",
+        type=parse_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: method, '
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_confidence, adaptive); "
+        "greedy output is unchanged, seeded output too with ngram",
     )
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -401,4 +428,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
+        "speculative_config": args.speculative_config,
     }

@@ -101,6 +101,11 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     num_waiting_by_tier: dict[str, int] = {}
     # Tokens appended this step by jump-forward (forced by a grammar, not sampled).
     num_forced_tokens: int = 0
+    # Running totals of speculative decoding: draft tokens verified, accepted, and accepted per
+    # draft position (index 0: the first draft of a step).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,6 +271,8 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     forbidden_token_ids: list[int]
     prompt_logprobs_range: tuple[int, int] | None
     skipped_draws: int
+    # Speculative drafts to verify: computed after the real tokens, never kept as outputs.
+    draft_token_ids: list[int] = []
 
 
 class GrammarBitmaskData(msgspec.Struct, kw_only=True):
@@ -346,6 +353,8 @@ class StepDone(msgspec.Struct, tag="done", kw_only=True):
     logprobs: dict[str, PositionLogprobs]
     prompt_logprobs: dict[str, list[PositionLogprobs]]
     draft_token_ids: dict[str, list[int]]
+    verified_token_ids: dict[str, list[int]] = {}
+    verified_logprobs: dict[str, list[PositionLogprobs]] = {}
 
 
 class WorkerCallResult(msgspec.Struct, tag="result", kw_only=True):

@@ -109,7 +109,9 @@ class EngineCore:
             sliding_window=self.executor.kv_window,
         )
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.max_model_len, speculative=config.speculative_config
+        )
         # LoRA adapters and device slots (core/lora_engine.py), when enabled.
         self.lora = (
             EngineLoRA(config.lora, self.executor, self.scheduler) if config.lora.enable_lora else None
@@ -162,7 +164,11 @@ class EngineCore:
         started = time.perf_counter()
         scheduler = self.scheduler
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv_manager, self.max_model_len, step_time=scheduler.step_time
+            self.config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            step_time=scheduler.step_time,
+            speculative=self.config.speculative_config,
         )
         vocab_size = int(self.source.hf_config.vocab_size)
         longest = max(
@@ -424,6 +430,9 @@ class EngineCore:
             prefix_cache_hit_tokens=self.kv_manager.prefix_hit_tokens,
             num_running_by_tier=self.scheduler.running_by_tier(),
             num_waiting_by_tier=self.scheduler.waiting.waiting_by_tier(),
+            spec_num_draft_tokens=self.scheduler.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.scheduler.spec.num_accepted_tokens,
+            spec_accepted_per_position=list(self.scheduler.spec.accepted_at),
         )
 
     def _make_grammar_backend(self) -> GrammarBackend:
@@ -527,6 +536,7 @@ class EngineCore:
             "num_replanned_steps": self.num_replanned_steps,
             "weight_version": self.weights.version,
             "paused": self.pause.blocks_steps,
+            **scheduler.spec.stats(),
             **{f"num_running_{tier}": n for tier, n in scheduler.running_by_tier().items()},
             **{f"num_waiting_{tier}": n for tier, n in scheduler.waiting.waiting_by_tier().items()},
             **(self.lora.stats() if self.lora is not None else {}),

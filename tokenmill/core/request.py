@@ -76,6 +76,11 @@ class Request:
         self.grammar: GrammarState | None = None
         self.num_forced_since_sample = 0
         self.error: str | None = None
+        # Speculative decoding (core/spec_decode.py): the proposer's drafts for the next step (never
+        # part of ``all_token_ids``), and the running estimate of how often this request's drafts
+        # are accepted (None until one was verified).
+        self.draft_token_ids: list[int] = []
+        self.draft_acceptance: float | None = None
         params = self.sampling_params
         limit = max_model_len - len(self.prompt_token_ids)
         self.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)

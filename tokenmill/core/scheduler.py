@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from tokenmill.config import SchedulerConfig
+from tokenmill.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.core import arrivals, overload
 from tokenmill.core.admission import arrival_pass_cap, step_admission_cap
 from tokenmill.core.deadlines import mark_timed_out, past_deadline
@@ -47,6 +47,7 @@ from tokenmill.core.prefix_sharing import (
     sibling_leader,
 )
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.spec_decode import SpecDecodeState
 from tokenmill.core.step_bounds import StepBounds
 from tokenmill.core.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.step_time import StepTimeModel
@@ -74,6 +75,7 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float] = time.time,
         step_time: StepTimeModel | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_manager
@@ -105,6 +107,8 @@ class Scheduler:
         self.num_forced_tokens_total = 0  # appended by jump-forward
         # LoRA device slots (``core/lora_slots.py``), set by the engine core when LoRA is on.
         self.lora_slots: LoRASlotTable | None = None
+        # Speculative decoding's drafts per step and verification results (core/spec_decode.py).
+        self.spec = SpecDecodeState(speculative, self.step_time)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -124,6 +128,7 @@ class Scheduler:
                 f"the request needs {total} tokens of KV cache but the whole pool holds "
                 f"{self.kv.capacity_tokens}; lower max_tokens or give the cache more memory"
             )
+        self.spec.check_request(request)
         request.tier = self.tiers.resolve(request.tier)
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -176,6 +181,7 @@ class Scheduler:
         now = self.clock()
         self._expire_deadlines(now)
         budget = self._step_budget(now)
+        self.spec.begin_step(len(self.running))
         exclusive_rank = self.bounds.exclusive_rank(self.requests.values())
         plan: list[ScheduledRequest] = []
         num_preempted = 0  # running requests that ran out of blocks
@@ -313,7 +319,8 @@ class Scheduler:
         for request in [r for r in self.running if self.tiers.class_key(r) == key]:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            wanted = request.num_tokens - request.num_computed_tokens
+            # Draft tokens are extra tokens to compute under the one rule (core/spec_decode.py).
+            wanted = request.num_tokens - request.num_computed_tokens + self.spec.num_drafts_to_plan(request)
             num_new = budget.grant(request.tier, wanted, running=True)
             if num_new == 0:
                 continue
@@ -437,8 +444,11 @@ class Scheduler:
         return slots is None or slots.fits(request.lora_id, (r.lora_id for r in self.running))
 
     def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The entry computing ``num_new`` tokens from ``num_computed_tokens`` on: past ``num_tokens``
+        they are the request's drafts (``_schedule_running`` granted at most those planned)."""
         start = request.num_computed_tokens
         end = start + num_new
+        drafts = request.draft_token_ids[: max(0, end - request.num_tokens)]
         prompt_range = None
         if request.wants_prompt_logprobs:
             lo = max(start, request.num_prompt_logprobs_done)
@@ -448,17 +458,18 @@ class Scheduler:
         params = request.sampling_params
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start : end - len(drafts)] + drafts,
             start_position=start,
             block_table=self.kv.block_table(request.request_id),
-            sample=end == request.num_tokens and request.max_tokens > 0,
+            sample=end >= request.num_tokens and request.max_tokens > 0,
             sampling_params=params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             forbidden_token_ids=request.tokens_forbidden_now(),
             prompt_logprobs_range=prompt_range,
             seed=None if params.seed is None else params.seed + request.sibling_index,
-            skipped_draws=request.num_forced_since_sample if end == request.num_tokens else 0,
+            skipped_draws=request.num_forced_since_sample if end >= request.num_tokens else 0,
+            draft_token_ids=drafts,
             lora_slot=-1 if self.lora_slots is None else self.lora_slots.slot_of(request.lora_id),
         )
 
@@ -477,7 +488,7 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(entry.token_ids)
+            request.num_computed_tokens += len(entry.token_ids) - len(entry.draft_token_ids)
             self._charge_prompt(request)
             chunk_logprobs = result.prompt_logprobs.get(entry.request_id)
             if chunk_logprobs is not None:
@@ -489,15 +500,22 @@ class Scheduler:
                 if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                     outputs.append(self._finish_prompt_only(request))
                 continue
-            new_tokens, stopped = append_tokens(request, result.sampled_token_ids[entry.request_id])
-            self.num_forced_tokens_total += len(new_tokens) - 1
+            if entry.draft_token_ids:
+                verified = result.verified_token_ids[entry.request_id]
+                new_tokens, stopped = self.spec.apply_verified(request, entry, verified, self.kv)
+            else:
+                new_tokens, stopped = append_tokens(request, result.sampled_token_ids[entry.request_id])
+                self.num_forced_tokens_total += len(new_tokens) - 1
+            request.draft_token_ids = result.draft_token_ids.get(entry.request_id, [])
             self._record_tokens(request, len(new_tokens), now)
             output = EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=new_tokens,
                 num_cached_tokens=request.num_cached_tokens,
             )
-            if entry.request_id in result.logprobs:
+            if entry.request_id in result.verified_logprobs:
+                output.new_logprobs = result.verified_logprobs[entry.request_id][: len(new_tokens)]
+            elif entry.request_id in result.logprobs:
                 output.new_logprobs = [result.logprobs[entry.request_id]]
             if request.num_output_tokens == 1 and request.wants_prompt_logprobs:
                 output.prompt_logprobs = request.pending_prompt_logprobs

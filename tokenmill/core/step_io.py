@@ -21,8 +21,9 @@ from tokenmill.sampling_params import SamplingParams
 class GrammarBitmask:
     """One step's allowed-token bitmasks for the constrained sampling rows.
 
-    ``rows[request_id]`` is the row of ``bitmask`` (``[num_constrained, ceil(vocab / 32)]`` int32)
-    for that request; requests without a grammar are absent and their logits are left alone.
+    ``rows[request_id]`` is the row of ``bitmask`` (``[num_rows, ceil(vocab / 32)]`` int32) for that
+    request (its first of ``1 + len(draft_token_ids)`` consecutive rows when its entry verifies
+    speculative drafts); requests without a grammar are absent and their logits are left alone.
     """
 
     rows: dict[str, int]
@@ -40,6 +41,9 @@ class ScheduledRequest:
     ``skipped_draws`` counts tokens jump-forward appended since the last sample: a seeded row skips
     that many draws, so its random stream is the one it would have had sampling them.
     ``lora_slot`` is the device slot of the request's LoRA adapter (-1: the base model).
+    ``draft_token_ids`` are speculative drafts to verify: the last ``len(draft_token_ids)`` entries of
+    ``token_ids`` (a sampling step's last real token comes just before them). The step computes logits
+    at that token and at every draft, and the rejection sampler keeps the drafts the target agrees with.
     """
 
     request_id: str
@@ -55,6 +59,7 @@ class ScheduledRequest:
     seed: int | None
     skipped_draws: int = 0
     lora_slot: int = -1
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end_position(self) -> int:
@@ -112,12 +117,17 @@ class ModelRunnerOutput:
 
     ``status`` says whether the step ran to the end (only then do the other fields hold anything);
     ``layers_done`` is the share of the model's layers a ``PAUSED`` step has run (0.0 to 1.0).
-    ``draft_token_ids`` holds a speculative proposer's draft tokens per request (empty for now).
+    ``draft_token_ids`` holds a speculative proposer's drafts per request, for the next step.
+    ``verified_token_ids`` holds, for a request whose plan entry carried drafts, every token its
+    verification produced (the accepted drafts, then one token the target sampled); its first token is
+    also in ``sampled_token_ids``. ``verified_logprobs`` holds one entry per such token when asked.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     status: StepStatus = StepStatus.DONE
     layers_done: float = 1.0

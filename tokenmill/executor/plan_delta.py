@@ -78,6 +78,7 @@ class PlanEncoder:
             delta.forbidden_token_ids = list(entry.forbidden_token_ids)
             delta.prompt_logprobs_range = entry.prompt_logprobs_range
             delta.skipped_draws = entry.skipped_draws
+            delta.draft_token_ids = list(entry.draft_token_ids)
             scheduled.append(delta)
         return StepPlanData(
             new_requests=new_requests,
@@ -193,7 +194,8 @@ class PlanDecoder:
         for index, block_id in delta.changed_blocks:
             table[index] = block_id
         table.extend(delta.new_block_ids)
-        start, end = delta.start_position, delta.start_position + delta.num_tokens
+        drafts = delta.draft_token_ids
+        start, end = delta.start_position, delta.start_position + delta.num_tokens - len(drafts)
         prompt, outputs = state.prompt_token_ids, state.output_token_ids
         num_prompt = len(prompt)
         if end > num_prompt + len(outputs):
@@ -204,6 +206,8 @@ class PlanDecoder:
             if end <= num_prompt
             else prompt[start:] + outputs[max(0, start - num_prompt) : end - num_prompt]
         )
+        if drafts:
+            token_ids = token_ids + drafts
         return ScheduledRequest(
             request_id=delta.request_id,
             token_ids=token_ids,
@@ -218,6 +222,7 @@ class PlanDecoder:
             seed=state.seed,
             skipped_draws=delta.skipped_draws,
             lora_slot=state.lora_slot,
+            draft_token_ids=drafts,
         )
 
 
@@ -257,6 +262,8 @@ def output_to_wire(output: ModelRunnerOutput) -> StepDone:
         logprobs=output.logprobs,
         prompt_logprobs=output.prompt_logprobs,
         draft_token_ids=output.draft_token_ids,
+        verified_token_ids=output.verified_token_ids,
+        verified_logprobs=output.verified_logprobs,
     )
 
 
@@ -266,6 +273,8 @@ def output_from_wire(done: StepDone) -> ModelRunnerOutput:
         logprobs=done.logprobs,
         prompt_logprobs=done.prompt_logprobs,
         draft_token_ids=done.draft_token_ids,
+        verified_token_ids=done.verified_token_ids,
+        verified_logprobs=done.verified_logprobs,
         status=StepStatus(done.status),
         layers_done=done.layers_done,
     )

@@ -86,6 +86,9 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     jump_forward_tokens: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     finished_requests: dict[str, int] = field(default_factory=dict)
     num_running_by_tier: dict[str, int] = field(default_factory=dict)
     num_waiting_by_tier: dict[str, int] = field(default_factory=dict)
@@ -449,6 +452,9 @@ class AsyncLLM:
         self.stats.prefix_cache_hit_tokens = batch.prefix_cache_hit_tokens
         self.stats.num_running_by_tier = batch.num_running_by_tier
         self.stats.num_waiting_by_tier = batch.num_waiting_by_tier
+        self.stats.spec_num_draft_tokens = batch.spec_num_draft_tokens
+        self.stats.spec_num_accepted_tokens = batch.spec_num_accepted_tokens
+        self.stats.spec_accepted_per_position = batch.spec_accepted_per_position
         if not batch.outputs:
             return
         now = time.monotonic()

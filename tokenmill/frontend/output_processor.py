@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
@@ -170,6 +171,28 @@ class OutputProcessor:
         return list(changed.values()), to_abort
 
     def _apply_tokens(self, sample: SampleState, output: EngineCoreOutput) -> None:
+        tokens = output.new_token_ids
+        if len(tokens) > 1 and sample.detokenizer is not None and sample.stop_checker.has_stop_strings:
+            # Several tokens at once (speculative decoding's accepted drafts, jump-forward): a stop
+            # string ends the sample at the token that completes it, as with one token a step.
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                self._apply_tokens_at_once(
+                    sample,
+                    msgspec.structs.replace(
+                        output,
+                        new_token_ids=[token],
+                        new_logprobs=None if output.new_logprobs is None else output.new_logprobs[i : i + 1],
+                        finish_reason=output.finish_reason if last else None,
+                        stop_reason=output.stop_reason if last else None,
+                    ),
+                )
+                if sample.finish_reason is not None:
+                    return
+            return
+        self._apply_tokens_at_once(sample, output)
+
+    def _apply_tokens_at_once(self, sample: SampleState, output: EngineCoreOutput) -> None:
         sample.token_ids.extend(output.new_token_ids)
         sample.weight_versions += [output.weight_version or ""] * len(output.new_token_ids)
         if output.new_logprobs is not None and sample.logprobs is not None:

@@ -52,6 +52,10 @@ class StopStringChecker:
         self._matched: str | None = None
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def stopped(self) -> bool:
         """Whether a stop string has matched."""
         return self._matched is not None

@@ -131,7 +131,7 @@ class Sampler(torch.nn.Module):
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        processors = _shared_processors(metadata)
+        processors = shared_processors(metadata)
         if metadata.all_greedy and metadata.max_num_logprobs is None and not processors:
             # Upcasting is exact and keeps the order, so the argmax of bfloat16 logits is the float32
             # one; skipping the copy saves a [num_rows, vocab] float32 tensor per step.
@@ -176,21 +176,33 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        temperature = metadata.temperature  # [num_rows]
-        if not metadata.all_random:
-            # Greedy rows' draws are discarded; 1.0 just keeps them finite.
-            temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        logits = apply_temperature(logits, temperature)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-
+        logits = random_row_logits(logits, metadata)  # [num_rows, vocab]
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
         uniforms = row_uniforms(probs.shape[0], metadata.generators, logits.device)  # [num_rows]
         return sample_from_probs(probs, uniforms), logits  # [num_rows], [num_rows, vocab]
 
 
-def _shared_processors(metadata: SamplingMetadata) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+def random_row_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: ``random_row_logits`` softmaxed; ``[num_rows,
+    vocab]``. Speculative verification uses it as the target distribution, so drafts are accepted
+    against exactly what the sampler would draw from."""
+    return random_row_logits(logits, metadata).softmax(dim=-1)  # [num_rows, vocab]
+
+
+def random_row_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The processed ``logits`` (float32, may be edited in place) through temperature, min-p, top-k
+    and top-p; ``[num_rows, vocab]``. Greedy rows get temperature 1 (their rows are not used)."""
+    temperature = metadata.temperature  # [num_rows]
+    if not metadata.all_random:
+        # Greedy rows' draws are discarded; 1.0 just keeps them finite.
+        temperature = torch.where(temperature == 0.0, 1.0, temperature)
+    logits = apply_temperature(logits, temperature)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    return apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+
+
+def shared_processors(metadata: SamplingMetadata) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """The processors this batch needs that change which token is best (so they apply before greedy's
     argmax too), in the order they apply; empty when the logits go to sampling as they are."""
     processors: list[Callable[[torch.Tensor], torch.Tensor]] = []

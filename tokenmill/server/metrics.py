@@ -79,6 +79,24 @@ class _EngineCollector:
             "Output tokens a grammar forced, appended without sampling (jump-forward).",
             stats.jump_forward_tokens,
         )
+        yield self._counter(
+            "spec_decode_num_draft_tokens",
+            "Speculative draft tokens verified by the target model.",
+            stats.spec_num_draft_tokens,
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative draft tokens the target model accepted.",
+            stats.spec_num_accepted_tokens,
+        )
+        per_position = CounterMetricFamily(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position (0: a step's first draft).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([*self.labels, str(position)], count)
+        yield per_position
         queried = stats.prefix_cache_queried_tokens
         yield self._gauge(
             "prefix_cache_hit_rate",

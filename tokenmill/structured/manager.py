@@ -128,6 +128,41 @@ class GrammarState:
             self._row = mask[0]
         return self._row
 
+    def valid_draft_prefix(self, drafts: list[int]) -> int:
+        """How many leading ``drafts`` the grammar allows in a row (speculative decoding), stopping
+        before a draft that would end the grammar; the matcher is left where it was."""
+        assert self.matcher is not None, "a request drafts only once its grammar is ready"
+        count = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            if self.matcher.is_terminated():
+                self.matcher.rollback(1)
+                break
+            count += 1
+        if count:
+            self.matcher.rollback(count)
+        return count
+
+    def draft_bitmask_rows(self, drafts: list[int]) -> list[torch.Tensor]:
+        """The bitmask rows at the current state and after each of ``drafts`` (``1 + len(drafts)``
+        rows ``[words]``), for verifying them; ``drafts`` must be allowed (``valid_draft_prefix``).
+        The matcher is left where it was."""
+        assert self.matcher is not None
+        rows = [self.bitmask_row()]
+        backend = self._backend()
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"draft token {token} is not allowed by the request's grammar")
+            mask = backend.allocate_bitmask(1)  # [1, words]
+            self.matcher.fill_bitmask(mask, 0)
+            if self._filter is not None:
+                mask[0] &= self._filter
+            rows.append(mask[0])
+        if drafts:
+            self.matcher.rollback(len(drafts))
+        return rows
+
     def forced_token(self) -> int | None:
         if not self.jump_forward or self.matcher is None or self.matcher.is_terminated():
             return None
@@ -222,7 +257,9 @@ class StructuredOutputManager:
     def step_bitmask(
         self, scheduled: Iterable[ScheduledRequest], requests: Mapping[str, GrammarRequest]
     ) -> GrammarBitmask | None:
-        """The bitmask rows of this step's constrained sampling rows, or None when there are none."""
+        """The bitmask rows of this step's constrained sampling rows, or None when there are none. A
+        request with speculative drafts gets ``1 + len(drafts)`` consecutive rows from its index on
+        (the mask at each verified position)."""
         rows: dict[str, int] = {}
         masks: list[torch.Tensor] = []
         for entry in scheduled:
@@ -232,7 +269,10 @@ class StructuredOutputManager:
             if request is None or request.grammar is None:
                 continue
             rows[entry.request_id] = len(masks)
-            masks.append(request.grammar.bitmask_row())
+            if entry.draft_token_ids:
+                masks.extend(request.grammar.draft_bitmask_rows(entry.draft_token_ids))
+            else:
+                masks.append(request.grammar.bitmask_row())
         if not masks:
             return None
         return GrammarBitmask(rows=rows, bitmask=torch.stack(masks))  # [num_constrained, words]

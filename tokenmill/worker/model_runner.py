@@ -36,6 +36,7 @@ from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_random, make_generator
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
+from tokenmill.spec.proposer import Proposer, make_proposer
 from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress, StepControl
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.kv_cache import (
@@ -45,6 +46,7 @@ from tokenmill.worker.kv_cache import (
     default_num_blocks,
     num_blocks_for_budget,
 )
+from tokenmill.worker.spec_step import draft_contexts, verify_entries
 from tokenmill.worker.weight_update import WeightUpdater, drop_derived_weights
 
 logger = logging.getLogger(__name__)
@@ -192,6 +194,16 @@ class ModelRunner:
         self.kv_window: int | None = None if None in windows else max(w for w in windows if w is not None)
         self.sampler = Sampler(config.logprobs_mode)
         self._generators: dict[str, torch.Generator] = {}
+        # Speculative decoding's drafter (spec/), run after each step's sampling; None when off.
+        spec = config.speculative_config
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            from tokenmill.worker.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(config, int(source.hf_config.vocab_size), self.num_blocks)
+        elif spec is not None:
+            self.proposer = make_proposer(spec)
+        self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
         # The step the interrupt paused between layers, until the engine resumes or discards it.
         self._paused: SuspendedStep | None = None
         # Weight updates in place and memory release for RL (worker/weight_update.py).
@@ -410,6 +422,8 @@ class ModelRunner:
         run while one is kept must not be pausable (the engine's arrivals' passes are not)."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.proposer is not None and plan.finished_request_ids:
+            self.proposer.drop(plan.finished_request_ids)
         if plan.is_empty:
             return ModelRunnerOutput()
         if plan.pausable and self._paused is not None:
@@ -448,7 +462,7 @@ class ModelRunner:
             return ModelRunnerOutput(status=StepStatus.PAUSED, layers_done=step.fraction_done)
         batch.resume_from = None
         output = ModelRunnerOutput()
-        num_sampling = len(sample_entries)
+        num_sampling = sum(1 + len(entry.draft_token_ids) for entry in sample_entries)
         if num_sampling:
             self._sample(logits[:num_sampling], sample_entries, output, step.plan.grammar_bitmask)
         offset = num_sampling
@@ -476,16 +490,53 @@ class ModelRunner:
         output: ModelRunnerOutput,
         grammar: GrammarBitmask | None,
     ) -> None:
+        """Sample ``entries`` from their rows of ``logits`` (one per entry, ``1 + len(drafts)`` for an
+        entry with drafts, in order): plain rows through the sampler, drafted ones through the
+        rejection sampler; then draft for the next step."""
+        drafted = [entry for entry in entries if entry.draft_token_ids]
+        if not drafted:
+            self._sample_plain(logits, entries, output, grammar)
+        else:
+            plain_rows: list[int] = []
+            drafted_rows: list[int] = []
+            row = 0
+            for entry in entries:
+                num_rows = 1 + len(entry.draft_token_ids)
+                (drafted_rows if entry.draft_token_ids else plain_rows).extend(range(row, row + num_rows))
+                row += num_rows
+            plain = [entry for entry in entries if not entry.draft_token_ids]
+            if plain:
+                rows = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+                self._sample_plain(logits[rows], plain, output, grammar)
+            rows = torch.tensor(drafted_rows, dtype=torch.long, device=logits.device)
+            verify_entries(logits[rows], drafted, self._generator_for, output, self.device, grammar)
+        if self.proposer is not None:
+            contexts = draft_contexts(entries, output, self.num_speculative_tokens)
+            output.draft_token_ids = self.proposer.propose(contexts)
+
+    def _generator_for(self, entry: ScheduledRequest) -> torch.Generator | None:
+        """The request's seeded generator (made on first use, kept until it finishes), advanced past
+        the draws of tokens jump-forward appended; None for an unseeded request."""
+        if entry.seed is None:
+            return None
+        generator = self._generators.get(entry.request_id)
+        if generator is None:
+            generator = make_generator(entry.seed, self.device)
+            self._generators[entry.request_id] = generator
+        if entry.skipped_draws and draws_random(entry.sampling_params):
+            skip_draws(generator, entry.skipped_draws, self.device)
+        return generator
+
+    def _sample_plain(
+        self,
+        logits: torch.Tensor,
+        entries: list[ScheduledRequest],
+        output: ModelRunnerOutput,
+        grammar: GrammarBitmask | None,
+    ) -> None:
         rows = []
         for entry in entries:
-            generator = None
-            if entry.seed is not None:
-                generator = self._generators.get(entry.request_id)
-                if generator is None:
-                    generator = make_generator(entry.seed, self.device)
-                    self._generators[entry.request_id] = generator
-                if entry.skipped_draws and draws_random(entry.sampling_params):
-                    skip_draws(generator, entry.skipped_draws, self.device)
+            generator = self._generator_for(entry)
             bitmask_row = None
             if grammar is not None and entry.request_id in grammar.rows:
                 bitmask_row = grammar.bitmask[grammar.rows[entry.request_id]]  # [words]
@@ -547,6 +598,9 @@ class ModelRunner:
         attn_by_window = self.attn_backend.build_metadata(
             sequences, slot_mapping, bs, self.layer_sliding_windows
         )
+        if any(entry.draft_token_ids for entry in entries):
+            for metadata in attn_by_window.values():
+                metadata.rows_as_decodes_preferred = True
 
         sample_entries: list[ScheduledRequest] = []
         sample_rows: list[int] = []
@@ -555,7 +609,8 @@ class ModelRunner:
         for entry, offset in zip(entries, offsets):
             if entry.sample:
                 sample_entries.append(entry)
-                sample_rows.append(offset + len(entry.token_ids) - 1)
+                end = offset + len(entry.token_ids)
+                sample_rows.extend(range(end - 1 - len(entry.draft_token_ids), end))
             if entry.prompt_logprobs_range is not None:
                 lo, hi = entry.prompt_logprobs_range
                 prompt_row_ids.extend(offset + p - entry.start_position for p in range(lo, hi))

@@ -300,6 +300,20 @@ class KVCacheManager:
         allocation.block_ids.extend(self.pool.allocate(needed))
         return True
 
+    def trim_slots(self, request: Request, num_tokens: int) -> int:
+        """Give back the blocks past the first ``num_tokens`` tokens of ``request``'s table (slots
+        reserved for draft tokens the verification rejected); returns how many. Those blocks hold
+        only unverified positions, never in the prefix cache (it caches computed, verified blocks)."""
+        allocation = self._allocations.get(request.request_id)
+        if allocation is None:
+            return 0
+        keep = max(cdiv(num_tokens, self.block_size), allocation.num_released)
+        extra = allocation.block_ids[keep:]
+        if extra:
+            self.pool.free(extra)
+            del allocation.block_ids[keep:]
+        return len(extra)
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Insert ``request``'s newly completed full blocks into the prefix cache.
 

@@ -210,7 +210,9 @@ class CpuPagedBackend(TorchReferenceBackend):
         (``fused_decode_stack.FusedDecodeStack``)."""
         groups = metadata.groups
         if any(g.num_queries > 1 for g in groups):
-            if self._chunks_take_prefill_kernel(dtype, kv_cache, groups):
+            if not metadata.rows_as_decodes_preferred and self._chunks_take_prefill_kernel(
+                dtype, kv_cache, groups
+            ):
                 return None  # group by group: the prefill kernel is faster than rows as decodes
             if not all(self._kernel_takes_short_chunks(dtype, kv_cache, g) for g in groups):
                 return None
@@ -237,8 +239,13 @@ class CpuPagedBackend(TorchReferenceBackend):
         or decodes through the decode kernel and prompt chunks through the prefill kernel when that
         takes every chunk group (``_prefill_kernel_takes``); None when neither applies."""
         groups = metadata.groups
-        if any(g.num_queries > 1 for g in groups) and self._chunks_take_prefill_kernel(
-            dtype, kv_cache, groups
+        as_decodes = metadata.rows_as_decodes_preferred and (
+            self.kernel_rows(metadata, num_tokens, dtype, kv_cache) is not None
+        )
+        if (
+            any(g.num_queries > 1 for g in groups)
+            and not as_decodes
+            and self._chunks_take_prefill_kernel(dtype, kv_cache, groups)
         ):
             split = metadata.decodes_and_chunks()
             return StackAttention(split.decode_tables, split.decode_lens, None, split)

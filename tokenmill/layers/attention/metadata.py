@@ -87,6 +87,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     groups: list[AttentionGroup]
+    # Speculative verification: attend every row as a decode of its own where a backend can, so the
+    # drafts' rows round as the decode steps they stand for (greedy output stays token-identical).
+    rows_as_decodes_preferred: bool = False
     _rows_as_decodes: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _decodes_and_chunks: DecodesAndChunks | None = field(default=None, repr=False)
 

@@ -13,6 +13,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -891,3 +892,19 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
     old = time.time() - cpu_kernels.STALE_BUILD_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
     assert cpu_kernels.remove_stale_build_lock(tmp_path) and not lock.exists()
+
+
+def test_sources_are_staged_into_the_build_folder_and_left_alone_when_unchanged(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    source = tmp_path / "pkg" / "kernel.cpp"
+    source.parent.mkdir()
+    source.write_text("int f() { return 1; }\n")
+    folder = tmp_path / "build"
+    (staged,) = cpu_kernels.stage_sources(folder, [source])
+    assert staged == str(folder / "src" / "kernel.cpp") and Path(staged).read_text() == source.read_text()
+    before = Path(staged).stat().st_mtime_ns
+    assert cpu_kernels.stage_sources(folder, [source]) == [staged]
+    assert Path(staged).stat().st_mtime_ns == before  # unchanged content: no rebuild
+    source.write_text("int f() { return 2; }\n")
+    cpu_kernels.stage_sources(folder, [source])
+    assert Path(staged).read_text() == "int f() { return 2; }\n"
+    assert sorted(p.name for p in (folder / "src").iterdir()) == ["kernel.cpp"]  # no partial files left

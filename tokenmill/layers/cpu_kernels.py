@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -76,6 +77,27 @@ def build_directory() -> Path:
     return Path(extension_cache_dir()) / f"paged_attention_cpu-{digest.hexdigest()[:16]}"
 
 
+def stage_sources(folder: Path, paths: list[Path]) -> list[str]:
+    """Copy ``paths`` into ``folder/src`` (a file whose content is already there is left untouched, so
+    its time stamp does not trigger a rebuild) and return the copies' paths, in order.
+
+    Builds compile these copies, not the package's files: ninja records absolute source paths, so a
+    build from another checkout of the same sources (a worktree, a second venv) would otherwise see a
+    different build file and recompile the shared folder while holding its lock."""
+    staged_dir = folder / "src"
+    staged_dir.mkdir(parents=True, exist_ok=True)
+    staged = []
+    for path in paths:
+        target = staged_dir / path.name
+        content = path.read_bytes()
+        if not target.exists() or target.read_bytes() != content:
+            partial = staged_dir / f".{path.name}.{os.getpid()}.partial"
+            partial.write_bytes(content)
+            os.replace(partial, target)  # atomic: a concurrent build never reads half a file
+        staged.append(str(target))
+    return staged
+
+
 def remove_stale_build_lock(folder: Path, max_age_s: float = STALE_BUILD_LOCK_SECONDS) -> bool:
     """Remove ``folder``'s build lock when it is older than ``max_age_s`` (its build was killed); True
     when it did. A younger lock belongs to a build under way and is left to it."""
@@ -110,7 +132,7 @@ def load_error() -> str | None:
         start = time.perf_counter()
         cpp_extension.load(
             name=NAME,
-            sources=[str(path) for path in SOURCES],
+            sources=stage_sources(folder, [*SOURCES, *HEADERS])[: len(SOURCES)],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),

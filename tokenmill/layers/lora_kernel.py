@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import extension_cache_dir
-from tokenmill.layers.cpu_kernels import CFLAGS, LDFLAGS, _cpu_flags, remove_stale_build_lock
+from tokenmill.layers.cpu_kernels import CFLAGS, LDFLAGS, _cpu_flags, remove_stale_build_lock, stage_sources
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def load_error() -> str | None:
         remove_stale_build_lock(folder)
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=stage_sources(folder, [SOURCE]),
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),

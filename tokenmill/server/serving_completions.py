@@ -38,7 +38,7 @@ from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
     finish_streams,
-    merge_streams,
+    follow_streams,
     open_streams,
     sse,
 )
@@ -250,13 +250,8 @@ async def _stream_completions(
         return out
 
     try:
-        # The states may have moved on between acceptance and now: send that first, then follow them.
-        for i, state in enumerate(states):
-            for event in chunks(i, state):
-                yield event
-        async for i, state in merge_streams(streams):
-            for event in chunks(i, state):
-                yield event
+        async for event in follow_streams(states, streams, chunks):
+            yield event
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = CompletionResponse(
                 id=request_id,

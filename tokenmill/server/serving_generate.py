@@ -36,7 +36,7 @@ from tokenmill.server.streaming import (
     ClientDisconnected,
     SSEResponse,
     finish_streams,
-    merge_streams,
+    follow_streams,
     open_streams,
     sse,
 )
@@ -310,12 +310,8 @@ async def _stream_generate(
         return out
 
     try:
-        for i, state in enumerate(states):
-            for event in chunks(i, state):
-                yield event
-        async for i, state in merge_streams(streams):
-            for event in chunks(i, state):
-                yield event
+        async for event in follow_streams(states, streams, chunks):
+            yield event
     except Exception as exc:
         yield sse(from_engine_error(exc, plan.prompt_param).body())
     finally:

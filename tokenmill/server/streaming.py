@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -130,6 +130,23 @@ async def merge_streams(
         await asyncio.gather(*pending, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+
+
+async def follow_streams(
+    states: list[RequestState],
+    streams: list[AsyncGenerator[RequestState, None]],
+    chunks: Callable[[int, RequestState], list[str]],
+) -> AsyncIterator[str]:
+    """The events ``chunks(index, state)`` makes of each accepted request's state as it stands now
+    (it may have moved on since acceptance), then of every later state as the streams deliver it.
+
+    ``chunks`` decides what is new in a state (it keeps its own cursors) and returns its events."""
+    for index, state in enumerate(states):
+        for event in chunks(index, state):
+            yield event
+    async for index, state in merge_streams(streams):
+        for event in chunks(index, state):
+            yield event
 
 
 class SSEResponse(StreamingResponse):

@@ -1,7 +1,7 @@
 """The deterministic mode's cost and what it buys, side by side with the default mode in one run.
 
-For each mode (both float32 with unquantized weights, the only setting the deterministic mode runs
-in, so the ratio is the mode's own cost):
+For each mode (the same ``--dtype`` and ``--quantization`` for both, so the ratio is the mode's own
+cost):
 
 - batched throughput (output tok/s over ``--num-prompts`` random prompts decoded together) and
   single-stream decode speed (one request alone);
@@ -30,8 +30,8 @@ from tokenmill.bench.sharegpt import sharegpt_path
 def make_llm(args: argparse.Namespace, deterministic: bool, **kwargs: Any) -> LLM:
     return LLM(
         args.model,
-        dtype="float32",
-        quantization="none",
+        dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         deterministic=deterministic,
         **kwargs,
@@ -97,6 +97,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)

@@ -402,7 +402,7 @@ class EngineConfig:
     # kernels; no quantization).
     logprobs_mode: str = "raw_logprobs"
     rl_exact_logprobs: bool = False
-    # Batch-invariant outputs (layers/attention/deterministic.py): a request's tokens and logprobs
+    # Batch-invariant outputs (layers/batch_invariant.py): a request's tokens and logprobs
     # do not depend on the other requests, the chunk size, prefix-cache hits or preemption.
     deterministic: bool = False
     # Speculative decoding (spec/), or None for none.
@@ -468,17 +468,12 @@ class EngineConfig:
             )
 
     def _validate_deterministic(self) -> None:
-        """The deterministic mode holds only where every kernel's reduction order is known not to
-        depend on the batch: float32 weights and activations, no weight quantization (the int4 and
-        int8 kernels tile by batch size), the native model code. Other combinations are refused."""
+        """The deterministic mode holds where every kernel's reduction order is known not to depend
+        on the batch: the native model code (layers/batch_invariant.py puts its layers on their
+        batch-invariant paths, any dtype, quantized weights through their float copies). The
+        transformers fallback and LoRA (its kernels group rows by adapter) are refused."""
         if not self.deterministic:
             return
-        if self.model.dtype != "float32":
-            raise ValueError(f"deterministic mode needs dtype float32, got {self.model.dtype!r}")
-        if self.model.quantization not in (None, "none"):
-            raise ValueError(
-                f"deterministic mode cannot be combined with quantization {self.model.quantization!r}"
-            )
         if self.model.model_impl == "transformers":
             raise ValueError("deterministic mode needs the native model implementation, not transformers")
         if self.lora.enable_lora:

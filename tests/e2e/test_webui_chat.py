@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from browser import csp_violations, launch_browser, open_page
-from server_process import API_KEY, ServerProcess, wait_until
+from server_process import API_KEY, TINY_ARGS, ServerProcess, wait_until
 
 LAST_ANSWER = "#messages > .message.assistant:last-child"
 
@@ -98,6 +98,30 @@ def test_a_wrong_key_is_asked_again_and_the_key_stays_in_the_session(
     assert page.evaluate("localStorage.getItem('tokenmill.apiKey')") is None  # "remember" was not ticked
     assert not events.errors and not events.dialogs
     page.context.close()
+
+
+def test_the_settings_say_whether_the_server_is_deterministic(
+    browser: Any, chat: Any, tiny_model_dir: str
+) -> None:
+    """The shared server runs in the default mode: no note. A ``--deterministic`` server's page says
+    so and shows the seed unseeded requests sample with; its answers repeat exactly."""
+    assert chat.is_hidden("#engine-mode")
+    server = ServerProcess(tiny_model_dir, [*TINY_ARGS, "--deterministic", "--seed", "11"])
+    try:
+        page, events = open_page(browser)
+        page.goto(server.base_url + "/")
+        page.click("#toggle-settings")
+        page.wait_for_selector("#engine-mode:not([hidden])")
+        assert "Deterministic mode" in page.inner_text("#engine-mode")
+        assert "seed 11" in page.inner_text("#engine-mode")
+        assert page.get_attribute("#set-seed", "placeholder") == "11 (server seed)"
+        messages = [{"role": "user", "content": "hello there"}]
+        first = api_answer(server, messages, temperature=1.0, max_tokens=12)
+        assert api_answer(server, messages, temperature=1.0, max_tokens=12) == first
+        assert not events.errors and not csp_violations(page)
+        page.context.close()
+    finally:
+        server.stop()
 
 
 def test_the_answer_streams_token_by_token(chat: Any, tiny_server: ServerProcess) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import VOCAB_SIZE, TinyModel
-from tokenmill.config import EngineConfig, ModelConfig, build_engine_config
+from tokenmill.config import EngineConfig, LoRAConfig, ModelConfig, build_engine_config
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.llm import LLM
 from tokenmill.outputs import RequestOutput
@@ -35,9 +35,20 @@ def answer(output: RequestOutput) -> Answer:
     return completion.token_ids, logprobs
 
 
-def make_llm(model: TinyModel, **kwargs: Any) -> LLM:
-    options = {"dtype": "float32", "block_size": 4, "num_blocks": 1024, "deterministic": True, **kwargs}
-    return LLM(model.path, **options)
+# (tiny model, engine options): float32; bfloat16 with heads of 64 (the compiled kernels' shapes);
+# int8 and int4 weights, computed through their float copies.
+SETTINGS = {
+    "float32": ("llama", {"dtype": "float32"}),
+    "bfloat16": ("wide-heads", {"dtype": "bfloat16"}),
+    "int8": ("wide-heads", {"dtype": "bfloat16", "quantization": "int8"}),
+    "int4": ("wide-heads", {"dtype": "bfloat16", "quantization": "int4"}),
+}
+
+
+def make_llm(model: tuple[TinyModel, dict[str, Any]], **kwargs: Any) -> LLM:
+    tiny, settings = model
+    options = {"block_size": 4, "num_blocks": 1024, "deterministic": True, **settings, **kwargs}
+    return LLM(tiny.path, **options)
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[Answer]:
@@ -45,26 +56,31 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[Answ
     return [answer(o) for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
-    return tiny_model("llama")
+@pytest.fixture(scope="module", params=sorted(SETTINGS))
+def model(
+    request: pytest.FixtureRequest, tiny_model: Callable[[str], TinyModel]
+) -> tuple[TinyModel, dict[str, Any]]:
+    arch, settings = SETTINGS[request.param]
+    return tiny_model(arch), settings
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_alone_and_among_64_others_are_bitwise_equal(model: TinyModel, params: SamplingParams) -> None:
+def test_alone_and_among_64_others_are_bitwise_equal(
+    model: tuple[TinyModel, dict[str, Any]], params: SamplingParams
+) -> None:
     alone = run(make_llm(model, enable_prefix_caching=False), [PROBE], params)[0]
     crowd = run(make_llm(model, enable_prefix_caching=False), [*OTHERS[:32], PROBE, *OTHERS[32:]], params)
     assert crowd[32] == alone
 
 
 @pytest.mark.parametrize("chunk", [4, 16, 24])
-def test_chunk_sizes_give_the_same_bits(model: TinyModel, chunk: int) -> None:
+def test_chunk_sizes_give_the_same_bits(model: tuple[TinyModel, dict[str, Any]], chunk: int) -> None:
     whole = run(make_llm(model, enable_prefix_caching=False), [PROBE], GREEDY)[0]
     chunked_llm = make_llm(model, enable_prefix_caching=False, max_num_batched_tokens=chunk)
     assert run(chunked_llm, [PROBE, OTHERS[0]], GREEDY)[0] == whole
 
 
-def test_a_prefix_cache_hit_gives_the_same_bits(model: TinyModel) -> None:
+def test_a_prefix_cache_hit_gives_the_same_bits(model: tuple[TinyModel, dict[str, Any]]) -> None:
     miss = run(make_llm(model, enable_prefix_caching=False), [PROBE], GREEDY)[0]
     llm = make_llm(model)
     # Caches the first 28 tokens (7 blocks).
@@ -75,7 +91,9 @@ def test_a_prefix_cache_hit_gives_the_same_bits(model: TinyModel) -> None:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_preemption_and_recompute_give_the_same_bits(model: TinyModel, params: SamplingParams) -> None:
+def test_preemption_and_recompute_give_the_same_bits(
+    model: tuple[TinyModel, dict[str, Any]], params: SamplingParams
+) -> None:
     prompts = [PROBE, *OTHERS[:7]]
     roomy = run(make_llm(model, enable_prefix_caching=False), prompts, params)
     tight = make_llm(model, enable_prefix_caching=False, num_blocks=24)  # 96 tokens for 8 requests
@@ -86,14 +104,28 @@ def test_preemption_and_recompute_give_the_same_bits(model: TinyModel, params: S
 @pytest.mark.parametrize(
     ("model_config", "message"),
     [
-        (ModelConfig(dtype="bfloat16"), "deterministic mode needs dtype float32"),
-        (ModelConfig(dtype="float32", quantization="int4"), "cannot be combined with quantization 'int4'"),
         (ModelConfig(dtype="float32", model_impl="transformers"), "native model implementation"),
+        (ModelConfig(dtype="bfloat16"), "cannot be combined with LoRA yet"),
     ],
 )
 def test_combinations_it_cannot_keep_are_refused(model_config: ModelConfig, message: str) -> None:
+    lora = LoRAConfig(enable_lora="LoRA" in message)
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=model_config, deterministic=True).validate()
+        EngineConfig(model=model_config, lora=lora, deterministic=True).validate()
+
+
+def test_unseeded_random_requests_are_reproducible_and_siblings_differ(
+    model: tuple[TinyModel, dict[str, Any]],
+) -> None:
+    """An unseeded request samples from the engine's seed and the position: the same alone and in a
+    crowd; its n=2 siblings draw differently from each other."""
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    alone = run(make_llm(model, enable_prefix_caching=False), [PROBE], unseeded)[0]
+    crowd = run(make_llm(model, enable_prefix_caching=False), [*OTHERS[:16], PROBE], unseeded)
+    assert crowd[16] == alone
+    pair = SamplingParams(temperature=1.0, max_tokens=12, n=2, ignore_eos=True)
+    outputs = make_llm(model).generate([{"prompt_token_ids": PROBE}], pair, use_tqdm=False)[0].outputs
+    assert outputs[0].token_ids != outputs[1].token_ids
 
 
 def test_the_command_line_turns_it_on() -> None:

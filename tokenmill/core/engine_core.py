@@ -6,9 +6,12 @@ process behind a ZMQ socket. Every message in and out is a ``tokenmill.protocol`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+
+import msgspec
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
@@ -207,6 +210,11 @@ class EngineCore:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if self.pause.released:
             raise ValueError("the engine's memory is released; resume_memory_occupation first")
+        if self.config.deterministic and core_request.sampling_params.seed is None:
+            # The deterministic mode's random draws come from the request's seed and the position
+            # (sample/build.py position_generator); an unseeded request takes the engine's seed.
+            params = dataclasses.replace(core_request.sampling_params, seed=self.config.model.seed)
+            core_request = msgspec.structs.replace(core_request, sampling_params=params)
         request = Request(core_request, self.max_model_len)
         if core_request.lora_name is not None:
             if self.lora is None:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.batch_invariant import row_tiled
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
@@ -46,6 +47,7 @@ class LMHead(nn.Module):
         self.int8_scales: torch.Tensor | None = None
         self.dequantized_weight: torch.Tensor | None = None
         self.q8_weight: Q8Weight | None = None
+        self.row_tile = 0  # deterministic mode: see LinearBase.row_tile
 
     def quantize_weights(self, kind: str) -> str | None:
         """Int8 projection weights (layers/quantization.py); under int4 the head keeps its weights. The
@@ -83,6 +85,8 @@ class LMHead(nn.Module):
         self.packed_weight = pack_weight(weight.data) if packing_available(weight) else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.row_tile:
+            return row_tiled(self._float_projection, hidden, self.row_tile)  # [num_rows, vocab_size]
         if (
             self.int8_weight is not None
             and self.int8_scales is not None
@@ -91,6 +95,10 @@ class LMHead(nn.Module):
             return int8_linear(hidden, self.int8_weight, self.int8_scales, None)  # [num_rows, vocab]
         if self.q8_weight is not None and self.q8_weight.takes(hidden):
             return self.q8_weight.linear(hidden)  # [num_rows, vocab_size]
+        return self._float_projection(hidden)
+
+    def _float_projection(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits through the float (or int8-dequantized) weight, packed where it can be."""
         if (
             self.packed_weight is not None
             and hidden.dtype == self.packed_weight.dtype

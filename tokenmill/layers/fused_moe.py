@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.batch_invariant import row_tiled
 from tokenmill.layers.linear import LinearBase
 
 # The names checkpoints use for an expert's three projections, mapped to ours.
@@ -78,6 +79,7 @@ class FusedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
         self.act = expert_activation(hidden_act)
+        self.row_tile = 0  # deterministic mode: see LinearBase.row_tile
 
     def load_expert(self, expert_id: int, shard: str, tensor: torch.Tensor) -> None:
         """Place one expert's ``gate``/``up`` ([intermediate, hidden]) or ``down`` ([hidden, intermediate])."""
@@ -122,13 +124,21 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = grouped[start : start + count]  # [count, hidden_size]
-            gate, up = F.linear(rows, self.w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
-            expert_out[start : start + count] = F.linear(self.act(gate) * up, self.w2[expert])
+            expert_out[start : start + count] = self._expert(expert, rows)  # [count, hidden_size]
             start += count
         pair_weights = weights.reshape(-1).index_select(0, order).to(hidden.dtype)  # [num_pairs]
         out = torch.zeros_like(hidden)  # [num_tokens, hidden_size]
         out.index_add_(0, token_rows, expert_out * pair_weights[:, None])
         return out
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's gated MLP over ``rows`` ``[count, hidden_size]``."""
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
+            return F.linear(self.act(gate) * up, self.w2[expert])  # [count, hidden_size]
+
+        return row_tiled(mlp, rows, self.row_tile) if self.row_tile else mlp(rows)
 
 
 def expert_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

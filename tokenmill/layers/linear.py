@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.batch_invariant import row_tiled
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
@@ -55,6 +56,9 @@ class LinearBase(nn.Module):
         self.int8_weight: torch.Tensor | None = None  # [out_features, in_features] int8
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None
+        # Deterministic mode (layers/batch_invariant.py): products run on multiples of this many rows
+        # through the float weight; 0 (the default) lets each batch take its fastest kernel.
+        self.row_tile = 0
 
     def quantize_weights(self, kind: str, lossless_only: bool = False) -> str | None:
         """Weight-only quantization (``int8``: layers/quantization.py, ``int4``: layers/int4.py); the
@@ -86,10 +90,16 @@ class LinearBase(nn.Module):
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.row_tile:
+            return row_tiled(lambda rows: self._float_matmul(rows, bias), x, self.row_tile)
         if self.int4_weight is not None and self.int4_weight.takes(x):
             return self.int4_weight.linear(x, bias)
         if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):
             return int8_linear(x, self.int8_weight, self.int8_scales, bias)
+        return self._float_matmul(x, bias)
+
+    def _float_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` with the float weight (packed where it can be)."""
         if self.packed_weight is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0]:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

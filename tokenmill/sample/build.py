@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.core.step_io import ScheduledRequest
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 
@@ -39,6 +40,18 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def position_generator(
+    entry: ScheduledRequest, default_seed: int, device: torch.device | str
+) -> torch.Generator:
+    """The deterministic mode's generator for a step of ``entry``: seeded from the request's seed (its
+    sibling's, see the scheduler; ``default_seed`` when the request has none) and the position of the
+    token it samples, so a draw depends on nothing but the request and the position: not on earlier
+    draws, preemption, jump-forward or the rest of the batch."""
+    seed = default_seed if entry.seed is None else entry.seed
+    mixed = (seed * 0x9E3779B97F4A7C15 + entry.end_position * 0xBF58476D1CE4E5B9) % 2**64
+    return make_generator(mixed, device)
 
 
 def _is_greedy(params: SamplingParams) -> bool:

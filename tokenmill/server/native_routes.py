@@ -97,6 +97,7 @@ def server_info(ctx: ServerContext) -> dict[str, Any]:
         "kv_cache_dtype": config.cache.kv_cache_dtype,
         "device": config.model.device,
         "random_seed": config.model.seed,
+        "deterministic": config.deterministic,
         "is_generation": True,
         "engine_pid": engine.engine_pid,
         "engine_alive": engine.is_alive,

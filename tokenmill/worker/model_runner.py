@@ -20,8 +20,9 @@ from tokenmill.core.step_io import (
     SchedulerOutput,
     StepStatus,
 )
-from tokenmill.layers.attention import AttentionBackend, SequenceStep, select_backend
+from tokenmill.layers.attention import SequenceStep, select_backend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
+from tokenmill.layers.batch_invariant import make_batch_invariant
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -34,7 +35,13 @@ from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import choose_model_impl, resolve_model_class
 from tokenmill.protocol import PositionLogprobs
-from tokenmill.sample.build import RowSamplingInput, build_sampling_metadata, draws_random, make_generator
+from tokenmill.sample.build import (
+    RowSamplingInput,
+    build_sampling_metadata,
+    draws_random,
+    make_generator,
+    position_generator,
+)
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
 from tokenmill.spec.proposer import Proposer, make_proposer
 from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress, StepControl
@@ -70,21 +77,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             )
         return _DTYPES[name]
     return torch.bfloat16 if native_bf16 else torch.float32
-
-
-def use_deterministic_attention(model: torch.nn.Module) -> None:
-    """Deterministic mode: every attention layer attends through ``DeterministicBackend`` and the
-    fused decode stack (which runs its own attention kernel) is dropped."""
-    for module in model.modules():
-        for name, child in list(vars(module).items()):
-            if isinstance(child, AttentionBackend):
-                setattr(
-                    module,
-                    name,
-                    DeterministicBackend(child.num_heads, child.num_kv_heads, child.head_dim, child.scale),
-                )
-    if hasattr(model, "decode_stack"):
-        setattr(model, "decode_stack", None)  # noqa: B010 - only the Llama family has one
 
 
 class ModelRunner:
@@ -127,8 +119,6 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized, exact_int4, exact_q8 = self._derive_weights()
-            if config.deterministic:
-                use_deterministic_attention(self.model)
             description = f"native {model_class.__name__}" + (
                 f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
             )
@@ -224,6 +214,8 @@ class ModelRunner:
             prepare = getattr(module, "prepare_for_inference", None)
             if prepare is not None:
                 prepare()
+        if self.config.deterministic:
+            make_batch_invariant(self.model)
         return quantized, exact_int4, exact_q8
 
     def _quantize(self, kind: str | None) -> int:
@@ -517,6 +509,8 @@ class ModelRunner:
     def _generator_for(self, entry: ScheduledRequest) -> torch.Generator | None:
         """The request's seeded generator (made on first use, kept until it finishes), advanced past
         the draws of tokens jump-forward appended; None for an unseeded request."""
+        if self.config.deterministic:
+            return position_generator(entry, self.config.model.seed, self.device)
         if entry.seed is None:
             return None
         generator = self._generators.get(entry.request_id)

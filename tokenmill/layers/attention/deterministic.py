@@ -1,12 +1,19 @@
 """Batch-invariant attention for the deterministic mode (``EngineConfig.deterministic``).
 
-Every query row attends as a decode of its own: over its sequence's keys and values up to and
-including its own position (the last ``sliding_window`` of them, if any), read from the paged cache
-after this step's keys and values are stored. The computation's shapes, and so its reduction
-order, depend only on the row's position: not on the other rows of the step, the chunk the row came
-in, or whether its prefix came from the prefix cache. A prompt token therefore gets the same bits
-from a whole-prompt pass, from any chunking, from a cache hit and from a recompute after
-preemption. The price is a Python loop over rows (one small attention per row and layer).
+Every query row attends as a decode of its own (``AttentionMetadata.rows_as_decodes``): over its
+sequence's keys and values up to and including its own position (the last ``sliding_window`` of
+them, if any), read from the paged cache after this step's keys and values are stored. The
+computation of a row then depends only on its position and its sequence's cache: not on the other
+rows of the step, the chunk the row came in, or whether its prefix came from the prefix cache. A
+prompt token therefore gets the same bits from a whole-prompt pass, from any chunking, from a cache
+hit and from a recompute after preemption.
+
+Where the CPU kernels are built, one call of the decode kernel (``csrc/paged_attention_cpu.cpp``)
+attends all rows: its reduction over a row's keys runs in fixed 16-slot tiles in position order,
+and rows are split across threads, never a row's reduction (``tests/unit/test_cpu_attention.py``
+checks its bits do not depend on the batch or the thread count); its vector path is used, not the
+AMX tiles, whose grouping of sequences sharing blocks is a batch property. Elsewhere (no kernel, a
+dtype or head size it does not take) a Python loop attends one row at a time in float32.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
+from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, load_error, paged_attention_decode
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DeterministicBackend(TorchReferenceBackend):
-    """``TorchReferenceBackend``'s metadata, with every row attended alone in float32."""
+    """``TorchReferenceBackend``'s metadata, with every row attended as a decode of its own."""
 
     name = "deterministic"
 
@@ -33,19 +43,43 @@ class DeterministicBackend(TorchReferenceBackend):
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
         tables, lengths = metadata.rows_as_decodes()  # [T, max_blocks], [T]
         window = metadata.groups[0].sliding_window if metadata.groups else None
+        if self._kernel_takes(query, kv_cache):
+            return paged_attention_decode(
+                query, kv_cache[0], kv_cache[1], tables, lengths, self.scale, window, tiles=False
+            )  # [num_tokens, num_heads, head_dim]
+        return self._attend_rows(query, kv_cache, tables, lengths, window)
+
+    def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (
+            query.device.type == "cpu"
+            and query.dtype == kv_cache.dtype
+            and query.dtype in KERNEL_DTYPES
+            and self.head_dim <= MAX_HEAD_DIM
+            and load_error() is None
+        )
+
+    def _attend_rows(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        tables: torch.Tensor,  # [num_tokens, max_blocks]
+        lengths: torch.Tensor,  # [num_tokens]
+        window: int | None,
+    ) -> torch.Tensor:
+        """The reference: one row at a time, in float32, over exactly its keys."""
         block_size = kv_cache.shape[2]
         group = self.num_heads // self.num_kv_heads
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         for row, (table, length) in enumerate(zip(tables.tolist(), lengths.tolist(), strict=True)):
             first = 0 if window is None else max(0, length - window)
-            blocks = torch.tensor(table[: -(-length // block_size)], dtype=torch.long)
-            # [length, kv_heads, head_dim] each: the sequence's keys and values up to this row
-            keys = kv_cache[0, blocks].flatten(0, 1)[first:length].float()
-            values = kv_cache[1, blocks].flatten(0, 1)[first:length].float()
-            keys = keys.repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
-            values = values.repeat_interleave(group, dim=1)
-            q = query[row].float()  # [num_heads, head_dim]
-            scores = (keys * q).sum(-1) * self.scale  # [n, num_heads]
+            positions = torch.arange(first, length)  # [n]
+            slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size
+            slots += positions % block_size  # [n]
+            keys = key_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [n, H, D]
+            values = value_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)
+            scores = (keys * query[row].float()).sum(-1) * self.scale  # [n, num_heads]
             probs = torch.softmax(scores, dim=0)  # [n, num_heads]
             out[row] = (probs.unsqueeze(-1) * values).sum(0).to(out.dtype)  # [num_heads, head_dim]
         return out

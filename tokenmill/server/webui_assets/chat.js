@@ -155,6 +155,22 @@ async function loadModels() {
     }
     loadSettings();
   }
+  await showEngineMode();
+}
+
+/** Say in the settings when the server runs in deterministic mode (GET /server_info). */
+async function showEngineMode() {
+  const response = await apiFetch("/server_info");
+  if (!response.ok) return;
+  const info = await response.json();
+  const note = $("engine-mode");
+  note.hidden = !info.deterministic;
+  if (info.deterministic) {
+    note.textContent =
+      "Deterministic mode: the same request gives the same answer, whatever else the server runs " +
+      `(unseeded requests sample with seed ${info.random_seed}).`;
+    $("set-seed").placeholder = `${info.random_seed} (server seed)`;
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -200,3 +200,44 @@ def test_state_layout_matches_the_config(model: TinyModel) -> None:
     layout = runner.model.recurrent_state_layout()
     assert len(layout) == 3
     assert layout[0] == [((2 * 32 + 64, 3), torch.float32), ((4, 16, 16), torch.float32)]
+
+
+def drive(llm: LLM, requests: list[object]) -> dict[str, list[int]]:
+    """Add engine requests directly and step until all finish; returns each request's tokens."""
+    engine = llm.engine
+    for request in requests:
+        engine.add_request(request)  # type: ignore[arg-type]
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+def test_service_tiers_compose(model: TinyModel) -> None:
+    from tokenmill.protocol import EngineCoreRequest
+
+    batch = prompts([45, 12, 30], salt=13)
+    tiers = ["flex", "priority", "default"]
+    llm = make_llm(model, max_num_batched_tokens=16)
+    requests = [
+        EngineCoreRequest(request_id=f"t{i}", prompt_token_ids=p, sampling_params=greedy(), service_tier=tier)
+        for i, (p, tier) in enumerate(zip(batch, tiers))
+    ]
+    tokens = drive(llm, requests)
+    assert [tokens[f"t{i}"] for i in range(3)] == [model.greedy(p, NUM_NEW) for p in batch]
+
+
+def test_structured_output_composes(model: TinyModel) -> None:
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    prompt = prompts([19], salt=17)[0]
+    llm = make_llm(model)
+    params = greedy(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["w20", "w30"]))
+    params.ignore_eos = False
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = model.hf(torch.tensor([prompt])).logits[0, -1]
+    expected = 20 if logits[20] > logits[30] else 30
+    assert list(out.token_ids)[0] == expected
+    assert out.text.strip() == f"w{expected}"

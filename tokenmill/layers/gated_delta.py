@@ -23,32 +23,38 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def causal_conv(
-    inputs: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, ends: list[int]
+    inputs: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    ends: list[int],
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Depthwise causal convolution of one sequence's new ``inputs`` ``[n, channels]`` after the
-    carried ``state`` ``[channels, kernel - 1]`` (the inputs before them), then SiLU.
+    carried ``state`` ``[channels, kernel - 1]`` (the inputs before them), plus ``bias``, then SiLU.
 
     ``weight`` is ``[channels, kernel]``. Returns the outputs ``[n, channels]`` (inputs' dtype) and,
     for each offset ``e`` in ``ends`` (1..n), the state after the first ``e`` new inputs
     ``[channels, kernel - 1]``.
     """
     kernel = weight.shape[-1]
-    n = inputs.shape[0]
     full = torch.cat([state.transpose(0, 1).to(inputs.dtype), inputs], dim=0)  # [kernel - 1 + n, channels]
     windows = full.unfold(0, kernel, 1)  # [n, channels, kernel]
     out = (windows.float() * weight.float()).sum(-1)  # [n, channels]
+    if bias is not None:
+        out = out + bias.float()
     states = [full[e : e + kernel - 1].transpose(0, 1) for e in ends]  # each [channels, kernel - 1]
-    assert windows.shape[0] == n
     return F.silu(out).to(inputs.dtype), states
 
 
 def causal_conv_step(
-    inputs: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
+    inputs: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new input per sequence: ``inputs`` ``[batch, channels]``, ``states`` ``[batch, channels,
     kernel - 1]``. Returns SiLU outputs ``[batch, channels]`` and the new states."""
     full = torch.cat([states.to(inputs.dtype), inputs[:, :, None]], dim=-1)  # [batch, channels, kernel]
     out = (full.float() * weight.float()).sum(-1)  # [batch, channels]
+    if bias is not None:
+        out = out + bias.float()
     return F.silu(out).to(inputs.dtype), full[:, :, 1:]
 
 

@@ -6,6 +6,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.nemotron_h import NemotronHForCausalLM
 from tokenmill.models.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.models.qwen_moe import QwenMoeForCausalLM
 
@@ -20,6 +21,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

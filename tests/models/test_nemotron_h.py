@@ -79,3 +79,12 @@ def test_prefix_hit_restores_a_snapshot(model: TinyModel) -> None:
     before = kv.prefix_hit_tokens
     assert run(llm, [second]) == [model.greedy(second, NUM_NEW)]
     assert kv.prefix_hit_tokens - before == 32  # the output-boundary snapshot after 32 tokens
+
+
+def test_outputs_vary_and_other_executors_are_refused(model: TinyModel) -> None:
+    tokens = model.greedy(prompts([20])[0], NUM_NEW)
+    assert len(set(tokens)) > 3  # a degenerate model could not tell a broken state from a right one
+    with pytest.raises(
+        ValueError, match="recurrent-state models with executor_backend='mp' are not supported yet"
+    ):
+        make_llm(model, executor_backend="mp")

@@ -94,8 +94,9 @@ def test_concurrent_prompts_and_chunked_prefill_match_transformers(model: TinyMo
     assert llm.engine.executor.runner.model.num_layers == 1  # the KV pool serves the full-attention layer
 
 
-def test_siblings_resume_from_the_leaders_snapshot(model: TinyModel) -> None:
-    llm = make_llm(model)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_siblings_resume_from_the_leaders_snapshot(model: TinyModel, prefix_caching: bool) -> None:
+    llm = make_llm(model, enable_prefix_caching=prefix_caching)
     kv = manager(llm)
     shared: list[int] = []
     original = kv.share_prefix

@@ -349,6 +349,7 @@ def make_kv_manager(config: EngineConfig, executor: Any) -> KVCacheManager:
             sliding_window=executor.kv_window,
         )
     if config.executor_backend != "inprocess":
+        executor.shutdown()
         raise ValueError(
             f"recurrent-state models with executor_backend={config.executor_backend!r} are not supported "
             "yet; use the in-process executor"

@@ -242,3 +242,23 @@ def test_structured_output_composes(model: TinyModel) -> None:
     expected = 20 if logits[20] > logits[30] else 30
     assert list(out.token_ids)[0] == expected
     assert out.text.strip() == f"w{expected}"
+
+
+def test_qwen3_5_text_model_matches_transformers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    spec = TinySpec(
+        "qwen3_5_text",
+        "Qwen3_5TextConfig",
+        {
+            k: v
+            for k, v in SPEC.kwargs.items()
+            if not k.startswith(("num_experts", "moe_", "shared_", "mlp_only"))
+        },
+    )
+    folder = str(tmp_path_factory.mktemp("tiny-qwen3-5"))
+    hf = save_tiny_model(spec, seed=44, folder=folder)
+    hf.generation_config.eos_token_id = None
+    qwen35 = TinyModel(arch="qwen3_5_text", path=folder, hf=hf)
+    batch = prompts([7, 45, 20], salt=9)
+    llm = make_llm(qwen35, max_num_batched_tokens=16)
+    assert run(llm, batch) == [qwen35.greedy(p, NUM_NEW) for p in batch]
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"

@@ -1,4 +1,4 @@
-"""Qwen3-Next: a hybrid of Gated DeltaNet (linear attention) layers and gated full-attention layers.
+"""Qwen3-Next and Qwen3.5: hybrids of Gated DeltaNet (linear attention) and gated full-attention layers.
 
 ``config.layer_types`` says which layers are ``linear_attention`` (three of every four by default,
 ``full_attention_interval``) and which ``full_attention``. Only the full-attention layers use the
@@ -13,6 +13,10 @@ q/k, then a gated RMSNorm (``norm(o) * silu(z)``) and ``out_proj``; full attenti
 norms, partial rotary and a sigmoid output gate carried in ``q_proj``'s second half; the feed-forward
 is the Qwen MoE (softmax, top-k, optional renormalisation, a shared expert behind a sigmoid gate) on
 sparse layers and a gated MLP elsewhere.
+
+Qwen3.5's text model (``Qwen3_5ForCausalLM``) is the same network with a dense MLP and the linear
+layers' projections in four plain matrices; its multimodal rotary sections give plain RoPE for text,
+where the three position rows are equal.
 
 The pass may stop only before its first layer: a linear layer updates its states in place, so a step
 stopped after one could not be run again from the start.
@@ -89,8 +93,19 @@ class GatedDeltaNet(nn.Module):
         self.value_size = self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         hidden = config.hidden_size
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * self.key_size + 2 * self.value_size, dtype=dtype)
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads, dtype=dtype)
+        # Qwen3-Next projects q|k|v|z and b|a in two matrices grouped per key head; Qwen3.5 in four
+        # plain ones (q|k|v for the convolution, z, b, a).
+        self.separate_projections = config.model_type.startswith("qwen3_5")
+        if self.separate_projections:
+            self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim, dtype=dtype)
+            self.in_proj_z = ColumnParallelLinear(hidden, self.value_size, dtype=dtype)
+            self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads, dtype=dtype)
+            self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads, dtype=dtype)
+        else:
+            self.in_proj_qkvz = ColumnParallelLinear(
+                hidden, 2 * self.key_size + 2 * self.value_size, dtype=dtype
+            )
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads, dtype=dtype)
         self.conv1d = DepthwiseConv(self.conv_dim, self.kernel)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
@@ -109,6 +124,9 @@ class GatedDeltaNet(nn.Module):
         """``(mixed q|k|v [n, conv_dim], z [n, v_heads, v_dim], b [n, v_heads], a [n, v_heads])``: the
         projections are laid out per key head (each holding its q, k and its value heads' v, z)."""
         n = hidden.shape[0]
+        if self.separate_projections:
+            z = self.in_proj_z(hidden).view(n, self.num_v_heads, self.v_dim)  # [n, v_heads, v_dim]
+            return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
         per_group = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(hidden).view(n, self.num_k_heads, -1)  # [n, k_heads, group width]
         sizes = [self.k_dim, self.k_dim, per_group * self.v_dim, per_group * self.v_dim]
@@ -297,7 +315,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @staticmethod
     def _build_mlp(config, args: LlamaArgs, index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
-        if not is_sparse_layer(config, index):
+        if not getattr(config, "num_experts", 0) or not is_sparse_layer(config, index):
             return LlamaMLP(args, dtype)
         shared_size = getattr(config, "shared_expert_intermediate_size", 0)
         shared = LlamaMLP(args, dtype, intermediate_size=shared_size) if shared_size else None

@@ -21,6 +21,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 

@@ -50,11 +50,26 @@ def build_model(folder: str, vocab: int) -> int:
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _spread_weights(model)
     model.save_pretrained(folder)
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=_word_tokenizer(vocab), unk_token="<unk>", eos_token="</s>"
     ).save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def _spread_weights(model: torch.nn.Module) -> None:
+    """Wider random weights than the default init (std 0.02), whose near-uniform logits leave
+    argmax ties that float rounding flips: greedy runs that compute the same thing in a different
+    order (from a restored snapshot, or all at once) would then part ways for no real reason."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                continue
+            noise = torch.randn(param.shape, generator=generator)
+            scale = 1.0 if "embed_tokens" in name or "lm_head" in name else 2.0 / param.shape[-1] ** 0.5
+            param.copy_(scale * noise)
 
 
 def _word_tokenizer(vocab: int):  # type: ignore[no-untyped-def]
@@ -114,7 +129,8 @@ def main() -> None:
     agree = True
     history_lengths: list[list[int]] = [[] for _ in range(4)]
     for c in range(args.conversations):
-        histories = {name: words(args.first_prompt) for name in engines}
+        first = words(args.first_prompt)
+        histories = {name: list(first) for name in engines}
         user_turns = [words(args.user_turn) for _ in range(3)]
         for turn in range(4):
             outputs = {}

@@ -262,3 +262,51 @@ def test_qwen3_5_text_model_matches_transformers(tmp_path_factory: pytest.TempPa
     llm = make_llm(qwen35, max_num_batched_tokens=16)
     assert run(llm, batch) == [qwen35.greedy(p, NUM_NEW) for p in batch]
     assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+
+
+def test_a_step_stops_only_before_its_first_layer(model: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A pausable step stopped before layer 0 (the flag already raised) pauses and goes on after the
+    arrivals' pass; a flag raised once a layer has updated its states is not obeyed (the step
+    could not be redone), so the step ends normally. Every token still equals transformers'."""
+    from tokenmill.protocol import EngineCoreRequest
+    from tokenmill.step_control import InterruptFlag
+
+    llm = make_llm(model, short_prefill_interrupt=8)
+    core = llm.engine
+    flag = InterruptFlag.create(str(tmp_path))
+    core.set_interrupt(flag)
+    first, arrival = prompts([13], salt=30)[0], prompts([5], salt=40)[0]
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+
+    def step() -> None:
+        for output in core.step().outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+
+    core.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=first, sampling_params=greedy(6)))
+    step()  # a's prompt
+    net = core.executor.runner.model
+    whole = net.forward
+
+    def arrival_first(*args, **kwargs):  # type: ignore[no-untyped-def]
+        flag.raise_()  # as an arrival would, before the pass reaches layer 0
+        net.forward = whole
+        return whole(*args, **kwargs)
+
+    net.forward = arrival_first
+    step()  # a's first decode stops before its first layer
+    assert core.num_paused_steps == 1 and tokens["a"] == [model.greedy(first, 1)[0]]
+    flag.clear()
+    core.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=arrival, sampling_params=greedy(4)))
+    linear = core.executor.runner.model.layers[0].linear_attn
+    forward = linear.forward
+
+    def raising(*args, **kwargs):  # type: ignore[no-untyped-def]
+        flag.raise_()
+        return forward(*args, **kwargs)
+
+    linear.forward = raising
+    while core.has_unfinished_requests():
+        step()
+        flag.clear()
+    assert core.num_paused_steps == 1  # raised mid-pass every step, never obeyed
+    assert tokens == {"a": model.greedy(first, 6), "b": model.greedy(arrival, 4)}

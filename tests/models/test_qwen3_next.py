@@ -244,24 +244,31 @@ def test_structured_output_composes(model: TinyModel) -> None:
     assert out.text.strip() == f"w{expected}"
 
 
-def test_qwen3_5_text_model_matches_transformers(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize(
+    ("config_cls", "dropped", "hf_class"),
+    [
+        ("Qwen3_5TextConfig", ("num_experts", "moe_", "shared_", "mlp_only"), "Qwen3_5ForCausalLM"),
+        ("Qwen3_5MoeTextConfig", ("mlp_only", "intermediate"), "Qwen3_5MoeForCausalLM"),
+    ],
+)
+def test_qwen3_5_text_models_match_transformers(
+    tmp_path_factory: pytest.TempPathFactory, config_cls: str, dropped: tuple[str, ...], hf_class: str
+) -> None:
     spec = TinySpec(
-        "qwen3_5_text",
-        "Qwen3_5TextConfig",
-        {
-            k: v
-            for k, v in SPEC.kwargs.items()
-            if not k.startswith(("num_experts", "moe_", "shared_", "mlp_only"))
-        },
+        "qwen3_5", config_cls, {k: v for k, v in SPEC.kwargs.items() if not k.startswith(dropped)}
     )
     folder = str(tmp_path_factory.mktemp("tiny-qwen3-5"))
     hf = save_tiny_model(spec, seed=44, folder=folder)
     hf.generation_config.eos_token_id = None
-    qwen35 = TinyModel(arch="qwen3_5_text", path=folder, hf=hf)
+    qwen35 = TinyModel(arch="qwen3_5", path=folder, hf=hf)
     batch = prompts([7, 45, 20], salt=9)
     llm = make_llm(qwen35, max_num_batched_tokens=16)
     assert run(llm, batch) == [qwen35.greedy(p, NUM_NEW) for p in batch]
-    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    assert type(hf).__name__ == hf_class
+    from tokenmill.layers.fused_moe import SparseMoeBlock
+
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in llm.engine.executor.runner.model.layers]
+    assert sparse == [hf_class == "Qwen3_5MoeForCausalLM"] * 4
 
 
 def test_a_step_stops_only_before_its_first_layer(model: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -14,8 +14,9 @@ norms, partial rotary and a sigmoid output gate carried in ``q_proj``'s second h
 is the Qwen MoE (softmax, top-k, optional renormalisation, a shared expert behind a sigmoid gate) on
 sparse layers and a gated MLP elsewhere.
 
-Qwen3.5's text model (``Qwen3_5ForCausalLM``) is the same network with a dense MLP and the linear
-layers' projections in four plain matrices; its multimodal rotary sections give plain RoPE for text,
+Qwen3.5's text models (``Qwen3_5ForCausalLM``, dense MLP; ``Qwen3_5MoeForCausalLM``, every layer
+sparse, top-k always renormalised) are the same network with the linear layers' projections in four
+plain matrices; its multimodal rotary sections give plain RoPE for text,
 where the three position rows are equal.
 
 The pass may stop only before its first layer: a linear layer updates its states in place, so a step
@@ -51,6 +52,18 @@ from tokenmill.models.llama import LlamaArgs, LlamaMLP
 from tokenmill.models.qwen_moe import is_sparse_layer
 from tokenmill.models.weights import load_hf_weights
 from tokenmill.step_control import LayerProgress
+
+
+class _DefaultIntermediate:
+    """``config`` read through, with ``intermediate_size`` defaulting to ``moe_intermediate_size``."""
+
+    def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
+        self._config = config
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "intermediate_size" and getattr(self._config, name, None) is None:
+            return self._config.moe_intermediate_size
+        return getattr(self._config, name)
 
 
 class GatedRMSNorm(nn.Module):
@@ -287,7 +300,8 @@ class Qwen3NextForCausalLM(CausalLM):
         unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
         if unknown:
             raise ValueError(f"unsupported Qwen3-Next layer types {sorted(unknown)}")
-        args = LlamaArgs.from_hf(config)
+        # Qwen3.5-MoE has no dense MLP and so no `intermediate_size`: every layer is sparse.
+        args = LlamaArgs.from_hf(_DefaultIntermediate(config))
         self.args = args
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary = get_rope(config, args.head_dim)
@@ -320,7 +334,9 @@ class Qwen3NextForCausalLM(CausalLM):
         shared_size = getattr(config, "shared_expert_intermediate_size", 0)
         shared = LlamaMLP(args, dtype, intermediate_size=shared_size) if shared_size else None
         route = functools.partial(
-            softmax_then_topk, top_k=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob)
+            softmax_then_topk,
+            top_k=config.num_experts_per_tok,
+            renormalize=bool(getattr(config, "norm_topk_prob", True)),  # Qwen3.5-MoE always renormalises
         )
         return SparseMoeBlock(
             config.hidden_size,

@@ -22,6 +22,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 

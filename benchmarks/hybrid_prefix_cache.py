@@ -125,6 +125,7 @@ def main() -> None:
     for llm in engines.values():  # one throw-away request each: lazy initialisation
         run_turn(llm, "warm-up", words(64), 2)
         llm.reset_prefix_cache()
+        llm.engine.kv_manager.prefix_queried_tokens = llm.engine.kv_manager.prefix_hit_tokens = 0
     ttfts: dict[str, list[list[float]]] = {name: [[] for _ in range(4)] for name in engines}
     agree = True
     history_lengths: list[list[int]] = [[] for _ in range(4)]

@@ -81,10 +81,16 @@ def test_prefix_hit_restores_a_snapshot(model: TinyModel) -> None:
     assert kv.prefix_hit_tokens - before == 32  # the output-boundary snapshot after 32 tokens
 
 
-def test_outputs_vary_and_other_executors_are_refused(model: TinyModel) -> None:
+def test_outputs_vary_and_the_worker_process_executor_carries_the_state(model: TinyModel) -> None:
     tokens = model.greedy(prompts([20])[0], NUM_NEW)
     assert len(set(tokens)) > 3  # a degenerate model could not tell a broken state from a right one
-    with pytest.raises(
-        ValueError, match="recurrent-state models with executor_backend='mp' are not supported yet"
-    ):
-        make_llm(model, executor_backend="mp")
+    # The plan deltas carry the state slot, the snapshot to resume from and the checkpoints.
+    llm = make_llm(model, executor_backend="mp")
+    try:
+        first = prompts([23], salt=11)[0]
+        reply = run(llm, [first])[0]
+        second = first + reply + [17, 18, 19, 20, 21]
+        assert [reply, *run(llm, [second])] == [model.greedy(first, NUM_NEW), model.greedy(second, NUM_NEW)]
+        assert manager(llm).prefix_hit_tokens == 32
+    finally:
+        llm.engine.executor.shutdown()

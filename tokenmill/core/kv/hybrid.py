@@ -348,7 +348,7 @@ def make_kv_manager(config: EngineConfig, executor: Any) -> KVCacheManager:
             cache.enable_prefix_caching,
             sliding_window=executor.kv_window,
         )
-    if config.executor_backend != "inprocess":
+    if config.executor_backend not in ("inprocess", "mp"):
         executor.shutdown()
         raise ValueError(
             f"recurrent-state models with executor_backend={config.executor_backend!r} are not supported "

@@ -145,6 +145,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     prefault: bool = False
+    # Models with a recurrent state per sequence (linear attention): how many state slots to keep
+    # (None: two per running sequence, one for it and one for prefix-cache snapshots), and every how
+    # many tokens a prompt's state is snapshot into the prefix cache (None: every 4 blocks).
+    num_state_slots: int | None = None
+    state_checkpoint_interval: int | None = None
 
 
 @dataclass
@@ -452,6 +457,12 @@ class EngineConfig:
             )
         if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.cache.num_blocks}")
+        interval = self.cache.state_checkpoint_interval
+        if interval is not None and (interval < 1 or interval % self.cache.block_size):
+            raise ValueError(
+                f"state_checkpoint_interval must be a positive multiple of block_size "
+                f"({self.cache.block_size}), got {interval}"
+            )
 
     def _validate_logprobs(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -226,6 +226,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     cache.add_argument(
+        "--state-checkpoint-interval",
+        type=int,
+        default=None,
+        help="recurrent-state models: snapshot a prompt's state into the prefix cache every this many "
+        "tokens (a multiple of the block size; default 4 blocks), besides the end of every prompt",
+    )
+    cache.add_argument(
+        "--num-state-slots",
+        type=int,
+        default=None,
+        help="recurrent-state models: state slots for running sequences and prefix-cache snapshots "
+        "(default: two per --max-num-seqs)",
+    )
+    cache.add_argument(
         "--kv-cache-dtype",
         default=CacheConfig.kv_cache_dtype,
         choices=DTYPE_CHOICES,
@@ -402,6 +416,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_cache,
         "kv_cache_dtype": args.kv_cache_dtype,
         "prefault": bool(on_cpu_default(args.kv_prefault, args.device, 1)),
+        "state_checkpoint_interval": args.state_checkpoint_interval,
+        "num_state_slots": args.num_state_slots,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "policy": args.policy,

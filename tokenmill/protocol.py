@@ -273,6 +273,11 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     skipped_draws: int
     # Speculative drafts to verify: computed after the real tokens, never kept as outputs.
     draft_token_ids: list[int] = []
+    # Recurrent-state models: the slot, the snapshot to resume from, the checkpoints to take
+    # (``ScheduledRequest.state_slot``, ``state_source``, ``state_checkpoints``).
+    state_slot: int = -1
+    state_source: int = -1
+    state_checkpoints: list[tuple[int, int]] = []
 
 
 class GrammarBitmaskData(msgspec.Struct, kw_only=True):

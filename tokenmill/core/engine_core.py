@@ -15,7 +15,7 @@ import msgspec
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
-from tokenmill.core.kv.manager import KVCacheManager
+from tokenmill.core.kv.hybrid import make_kv_manager
 from tokenmill.core.lora_engine import EngineLoRA
 from tokenmill.core.pause import PauseControl
 from tokenmill.core.request import Request, RequestStatus
@@ -104,13 +104,7 @@ class EngineCore:
         self.config = config
         self.source = source
         self.executor = make_executor(config, source)
-        block_size = config.cache.block_size
-        self.kv_manager = KVCacheManager(
-            self.executor.num_blocks,
-            block_size,
-            config.cache.enable_prefix_caching,
-            sliding_window=self.executor.kv_window,
-        )
+        self.kv_manager = make_kv_manager(config, self.executor)  # with a state pool for hybrid models
         self.max_model_len = effective_max_model_len(config, source, self.kv_manager.capacity_tokens)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.max_model_len, speculative=config.speculative_config

@@ -29,17 +29,20 @@ def sibling_leader(requests: dict[str, Request], request: Request) -> Request | 
 
 
 def leader_prompt_ready(
-    leader: Request, request: Request, plan: list[ScheduledRequest], block_size: int
+    leader: Request, request: Request, plan: list[ScheduledRequest], kv: KVCacheManager
 ) -> bool:
     """Whether the leader's prompt blocks that ``request`` shares are computed once the step being
     planned (``plan``) has run (a sibling may join the very step that completes them, like any
-    request sharing an in-flight prefix: ``KVCacheManager.prefix_computed_by``)."""
-    full_prompt_tokens = (request.num_prompt_tokens - 1) // block_size * block_size
+    request sharing an in-flight prefix: ``KVCacheManager.prefix_computed_by``; with a recurrent-state
+    model only once they are computed, ``kv.same_step_sharing``)."""
+    full_prompt_tokens = (request.num_prompt_tokens - 1) // kv.block_size * kv.block_size
     if full_prompt_tokens == 0:
         return True
     if leader.status != RequestStatus.RUNNING:
         return False
     computed_after = leader.num_computed_tokens
+    if not kv.same_step_sharing:
+        return computed_after >= full_prompt_tokens
     for entry in plan:
         if entry.request_id == leader.request_id:
             computed_after = entry.end_position

@@ -362,7 +362,7 @@ class Scheduler:
             if not self._lora_fits(request):
                 continue  # every LoRA slot holds a running adapter; it waits for one to free up
             leader = sibling_leader(self.requests, request)
-            if leader is not None and not leader_prompt_ready(leader, request, plan, self.kv.block_size):
+            if leader is not None and not leader_prompt_ready(leader, request, plan, self.kv):
                 continue  # wait until the leader's step computes the shared prompt blocks
             source_id, source_tokens = "", 0
             if leader is None and prefix_in_flight(self.running, self.tiers, self.kv, key, request):
@@ -456,7 +456,7 @@ class Scheduler:
             if lo < hi:
                 prompt_range = (lo, hi)
         params = request.sampling_params
-        return ScheduledRequest(
+        entry = ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : end - len(drafts)] + drafts,
             start_position=start,
@@ -472,6 +472,8 @@ class Scheduler:
             draft_token_ids=drafts,
             lora_slot=-1 if self.lora_slots is None else self.lora_slots.slot_of(request.lora_id),
         )
+        self.kv.plan_state(request, entry)  # recurrent-state slots and checkpoints (core/kv/hybrid.py)
+        return entry
 
     # ------------------------------------------------------------------ applying a step's results
 

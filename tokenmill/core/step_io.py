@@ -44,6 +44,11 @@ class ScheduledRequest:
     ``draft_token_ids`` are speculative drafts to verify: the last ``len(draft_token_ids)`` entries of
     ``token_ids`` (a sampling step's last real token comes just before them). The step computes logits
     at that token and at every draft, and the rejection sampler keeps the drafts the target agrees with.
+    Models with a recurrent state (linear attention) read ``state_slot``, the request's slot of the
+    state pool (-1: the model keeps none); before the step the runner copies snapshot slot
+    ``state_source`` into it (-1: none; the slot is zeroed instead when the step starts at position
+    0), and ``state_checkpoints`` lists ``(position, snapshot slot)`` pairs: the state after the
+    tokens before ``position`` is to be copied into that slot (positions inside this step's range).
     """
 
     request_id: str
@@ -60,6 +65,9 @@ class ScheduledRequest:
     skipped_draws: int = 0
     lora_slot: int = -1
     draft_token_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    state_source: int = -1
+    state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def end_position(self) -> int:

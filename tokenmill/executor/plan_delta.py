@@ -79,6 +79,8 @@ class PlanEncoder:
             delta.prompt_logprobs_range = entry.prompt_logprobs_range
             delta.skipped_draws = entry.skipped_draws
             delta.draft_token_ids = list(entry.draft_token_ids)
+            delta.state_slot, delta.state_source = entry.state_slot, entry.state_source
+            delta.state_checkpoints = list(entry.state_checkpoints)
             scheduled.append(delta)
         return StepPlanData(
             new_requests=new_requests,
@@ -223,6 +225,9 @@ class PlanDecoder:
             skipped_draws=delta.skipped_draws,
             lora_slot=state.lora_slot,
             draft_token_ids=drafts,
+            state_slot=delta.state_slot,
+            state_source=delta.state_source,
+            state_checkpoints=[(position, slot) for position, slot in delta.state_checkpoints],
         )
 
 

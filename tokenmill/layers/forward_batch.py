@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.layers.attention.metadata import AttentionGroup, AttentionMetadata, DecodesAndChunks
 from tokenmill.layers.lora import LoRABatch
+from tokenmill.layers.recurrent_state import RecurrentBatch
 from tokenmill.step_control import NEVER_STOP, LayerProgress, StepControl
 
 # Re-exported: these lived here before the backends owned their metadata.
@@ -48,6 +49,8 @@ class ForwardBatch:
     resume_from: LayerProgress | None = None
     # Which LoRA slot each row uses (layers/lora.py); None when no row uses an adapter.
     lora: LoRABatch | None = None
+    # Recurrent-state slots and checkpoints of the sequences (linear-attention models); None otherwise.
+    recurrent: RecurrentBatch | None = None
 
     def attention(self, sliding_window: int | None) -> AttentionMetadata:
         """The metadata for layers attending over ``sliding_window`` trailing positions (None: all)."""

@@ -6,6 +6,8 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.nemotron_h import NemotronHForCausalLM
+from tokenmill.models.qwen3_next import Qwen3NextForCausalLM
 from tokenmill.models.qwen_moe import QwenMoeForCausalLM
 
 NATIVE_MODELS: dict[str, type[CausalLM]] = {
@@ -18,6 +20,10 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

@@ -54,6 +54,7 @@ from tokenmill.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from tokenmill.worker.spec_step import draft_contexts, verify_entries
+from tokenmill.worker.state_cache import StateCache
 from tokenmill.worker.weight_update import WeightUpdater, drop_derived_weights
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class ModelRunner:
             if config.deterministic
             else select_backend(self.device, self.dtype, kv_dtype)
         )
+        self.state_cache = self._make_state_cache(config)
         self.num_blocks = self._kv_pool_blocks(config, source, kv_dtype)
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.model.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype
@@ -377,6 +379,20 @@ class ModelRunner:
         cache = config.cache
         if cache.num_blocks:
             return cache.num_blocks
+        num_blocks = self._kv_pool_blocks_for_memory(config, source, kv_dtype)
+        if self.state_cache is None:
+            return num_blocks
+        # The state pool comes out of the same memory budget.
+        model = self.model
+        per_block = bytes_per_block(
+            model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, kv_dtype
+        )
+        return max(1, num_blocks - -(-self.state_cache.total_bytes // per_block))
+
+    def _kv_pool_blocks_for_memory(
+        self, config: EngineConfig, source: ModelSource, kv_dtype: torch.dtype
+    ) -> int:
+        cache = config.cache
         model = self.model
         if cache.kv_cache_memory is not None:
             return num_blocks_for_budget(
@@ -401,6 +417,36 @@ class ModelRunner:
             head_dim=model.head_dim,
             dtype=kv_dtype,
         )
+
+    def _make_state_cache(self, config: EngineConfig) -> StateCache | None:
+        """The state pool's tensors for a model with recurrent layers (None for others): ``num_state_slots``
+        slots, by default two per ``max_num_seqs``. Refuses the features that cannot keep such state
+        right yet."""
+        layout = getattr(self.model, "recurrent_state_layout", None)
+        if layout is None:
+            return None
+        for enabled, feature in (
+            (config.speculative_config is not None, "speculative decoding"),
+            (config.deterministic, "the deterministic mode"),
+            (config.lora.enable_lora, "LoRA"),
+        ):
+            if enabled:
+                raise ValueError(f"{feature} with recurrent-state models is not supported yet")
+        num_slots = config.cache.num_state_slots or 2 * config.scheduler.max_num_seqs
+        cache = StateCache(layout(), num_slots, self.device)
+        logger.info(
+            "recurrent state: %d slots of %.2f MB (%.2f GB)",
+            num_slots,
+            cache.slot_bytes / 1e6,
+            cache.total_bytes / 1e9,
+        )
+        return cache
+
+    def recurrent_state_info(self) -> list[int]:
+        """``[num_state_slots, bytes per slot]``; ``[0, 0]`` for a model without recurrent state."""
+        if self.state_cache is None:
+            return [0, 0]
+        return [self.state_cache.num_slots, self.state_cache.slot_bytes]
 
     def prefault_while_idle(self) -> bool:
         """Map the next few KV blocks' pages (``IdlePrefaulter.step``); whether more remain."""
@@ -621,6 +667,8 @@ class ModelRunner:
             logits_rows=torch.tensor(sample_rows + prompt_row_ids, dtype=torch.long, device=device),
             attn_by_window=attn_by_window,
         )
+        if self.state_cache is not None:
+            batch.recurrent = self.state_cache.prepare(entries, offsets, device)
         if self.lora is not None:
             batch.lora = self.lora.batch_for([(e.lora_slot, len(e.token_ids)) for e in entries], device)
         return batch, sample_entries, prompt_rows

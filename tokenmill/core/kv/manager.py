@@ -21,6 +21,7 @@ from typing import Any
 
 from tokenmill.core.kv.pool import BlockPool
 from tokenmill.core.request import Request
+from tokenmill.core.step_io import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,11 @@ class KVCacheManager:
     Contract: ``allocate_slots`` either reserves every block a step needs or reserves nothing and
     returns False (the scheduler then preempts); ``free`` returns a request's references exactly
     once; ``cache_computed_blocks`` publishes a request's full, computed blocks to the prefix cache.
+    ``same_step_sharing``: a request may share blocks computed in the step being planned (not for
+    recurrent-state models, ``core/kv/hybrid.py``).
     """
+
+    same_step_sharing = True
 
     def __init__(
         self,
@@ -299,6 +304,9 @@ class KVCacheManager:
             return False
         allocation.block_ids.extend(self.pool.allocate(needed))
         return True
+
+    def plan_state(self, request: Request, entry: ScheduledRequest) -> None:
+        """Fill ``entry``'s recurrent-state fields; nothing to do for a model without such state."""
 
     def trim_slots(self, request: Request, num_tokens: int) -> int:
         """Give back the blocks past the first ``num_tokens`` tokens of ``request``'s table (slots

@@ -65,7 +65,13 @@ class FusedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        dtype: torch.dtype,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -77,7 +83,21 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
+        # Per-expert biases of both projections (gpt-oss has them), [num_experts, out_features].
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w13_bias = nn.Parameter(
+                torch.zeros(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
+            )
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.act = expert_activation(hidden_act)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of ``gate_up [rows, 2 * intermediate]`` (gate first): ``[rows, intermediate]``.
+        A family with another gating (gpt-oss's clamped SwiGLU) overrides this."""
+        gate, up = gate_up.chunk(2, dim=-1)  # [rows, intermediate] each
+        return self.act(gate) * up
 
     def load_expert(self, expert_id: int, shard: str, tensor: torch.Tensor) -> None:
         """Place one expert's ``gate``/``up`` ([intermediate, hidden]) or ``down`` ([hidden, intermediate])."""
@@ -122,8 +142,10 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = grouped[start : start + count]  # [count, hidden_size]
-            gate, up = F.linear(rows, self.w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
-            expert_out[start : start + count] = F.linear(self.act(gate) * up, self.w2[expert])
+            b13 = None if self.w13_bias is None else self.w13_bias[expert]
+            b2 = None if self.w2_bias is None else self.w2_bias[expert]
+            gate_up = F.linear(rows, self.w13[expert], b13)  # [count, 2 * intermediate]
+            expert_out[start : start + count] = F.linear(self.gated(gate_up), self.w2[expert], b2)
             start += count
         pair_weights = weights.reshape(-1).index_select(0, order).to(hidden.dtype)  # [num_pairs]
         out = torch.zeros_like(hidden)  # [num_tokens, hidden_size]

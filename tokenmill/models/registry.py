@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
+from tokenmill.models.gpt_oss import GptOssForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
 from tokenmill.models.qwen_moe import QwenMoeForCausalLM
@@ -18,6 +19,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

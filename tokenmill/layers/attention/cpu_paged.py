@@ -14,7 +14,8 @@ tokens), in bfloat16 or float16, runs every row through the decode kernel as a d
 cost more than the attention itself. Longer chunks keep the reference's gather + SDPA.
 
 Float32 rows over a 16-bit cache (``--kv-cache-dtype``) take the same kernels (``kernels_read``);
-other mixes of row and cache dtypes go through the reference.
+other mixes of row and cache dtypes go through the reference, and so do layers with attention sinks
+(gpt-oss), which the kernels do not implement.
 """
 
 from __future__ import annotations
@@ -80,10 +81,15 @@ class CpuPagedBackend(TorchReferenceBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         """A step of decodes only (one group covering every row in order) returns the kernel's output
         itself instead of copying it into a new tensor; so does a step whose prompt chunks are all
-        short (every row a decode of its own); anything else goes group by group."""
+        short (every row a decode of its own); anything else goes group by group. The kernels have no
+        attention sinks: a layer with ``sinks`` attends through the reference's code (K/V are still
+        stored by the kernel)."""
+        if sinks is not None:
+            return super().forward(query, key, value, kv_cache, metadata, sinks)
         rows = self.kernel_rows(metadata, query.shape[0], query.dtype, kv_cache)
         if rows is None:
             return super().forward(query, key, value, kv_cache, metadata)

@@ -29,6 +29,7 @@ class DeterministicBackend(TorchReferenceBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
         tables, lengths = metadata.rows_as_decodes()  # [T, max_blocks], [T]
@@ -46,6 +47,8 @@ class DeterministicBackend(TorchReferenceBackend):
             values = values.repeat_interleave(group, dim=1)
             q = query[row].float()  # [num_heads, head_dim]
             scores = (keys * q).sum(-1) * self.scale  # [n, num_heads]
-            probs = torch.softmax(scores, dim=0)  # [n, num_heads]
+            if sinks is not None:  # a sink's logit joins each head's denominator, with no value
+                scores = torch.cat([scores, sinks.float()[None, :]])  # [n + 1, num_heads]
+            probs = torch.softmax(scores, dim=0)[: keys.shape[0]]  # [n, num_heads]
             out[row] = (probs.unsqueeze(-1) * values).sum(0).to(out.dtype)  # [num_heads, head_dim]
         return out

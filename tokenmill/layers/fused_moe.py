@@ -90,7 +90,9 @@ class FusedExperts(nn.Module):
             self.w13_bias = nn.Parameter(
                 torch.zeros(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
             )
-            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(
+                torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False
+            )
         self.act = expert_activation(hidden_act)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     two that brings its largest magnitude to at most 6 and every value rounded to the nearest E2M1
     code. Used to write MXFP4 test checkpoints; ``dequantize_mxfp4`` inverts it up to that rounding."""
     if weight.shape[-1] % GROUP:
-        raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {GROUP}, got {weight.shape[-1]}")
+        raise ValueError(
+            f"MXFP4 needs the last dimension to be a multiple of {GROUP}, got {weight.shape[-1]}"
+        )
     groups = weight.float().unflatten(-1, (-1, GROUP))  # [..., groups, 32]
     largest = groups.abs().amax(dim=-1).clamp(min=2.0**-126)  # [..., groups]
     exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-E8M0_BIAS, E8M0_BIAS)  # [..., groups]

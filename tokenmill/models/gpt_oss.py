@@ -161,9 +161,7 @@ class GptOssExperts(FusedExperts):
     """
 
     def __init__(self, args: GptOssArgs, dtype: torch.dtype) -> None:
-        super().__init__(
-            args.num_experts, args.hidden_size, args.intermediate_size, "silu", dtype, bias=True
-        )
+        super().__init__(args.num_experts, args.hidden_size, args.intermediate_size, "silu", dtype, bias=True)
         self.alpha = args.swiglu_alpha
         self.limit = args.swiglu_limit
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 halves waiting for their pair
@@ -191,7 +189,9 @@ class GptOssExperts(FusedExperts):
                 tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)  # [E, 2I]: gate, then up
             _copy_checked(target.data, tensor, f"{proj}_bias")
         elif proj == "gate_up_proj":  # [E, hidden, 2I] interleaved -> [E, 2I, hidden] gate rows, then up
-            _copy_checked(self.w13.data, torch.cat([tensor[:, :, 0::2], tensor[:, :, 1::2]], 2).transpose(1, 2), proj)
+            _copy_checked(
+                self.w13.data, torch.cat([tensor[:, :, 0::2], tensor[:, :, 1::2]], 2).transpose(1, 2), proj
+            )
         else:  # down_proj [E, I, hidden] -> [E, hidden, I]
             _copy_checked(self.w2.data, tensor.transpose(1, 2), proj)
         return True
@@ -238,7 +238,9 @@ class GptOssMoE(nn.Module):
 class GptOssDecoderLayer(nn.Module):
     """Pre-norm attention and MoE with residuals (the Llama layout)."""
 
-    def __init__(self, args: GptOssArgs, layer_index: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self, args: GptOssArgs, layer_index: int, rotary: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = GptOssAttention(args, rotary, args.window_of(layer_index), dtype)
@@ -333,8 +335,9 @@ class GptOssForCausalLM(CausalLM):
         loaded: set[str] = set()
         rest = self._load_experts(weights, loaded)
         loaded |= load_hf_weights(self, rest)
-        for layer in self.layers:
-            layer.mlp.experts.check_complete()
+        for module in self.modules():
+            if isinstance(module, GptOssExperts):
+                module.check_complete()
         return loaded
 
     def _load_experts(

@@ -154,7 +154,6 @@ class TorchReferenceBackend(AttentionBackend):
                 )  # [1, H, n, D]
             out[row : row + num_new] = attended[0].transpose(0, 1)  # [n, H, D]
 
-
     def _attend_group_with_sinks(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

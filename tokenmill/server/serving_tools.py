@@ -184,6 +184,9 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
     """Validate the request's tool fields and decide how calls are made (see the module docstring)."""
     reasoning = ctx.settings.reasoning_parser
     plan = ChatToolPlan(reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
+    if plan.reasoning_parser is not None and plan.reasoning_parser.special_markers:
+        # Harmony's channel markers are special tokens: the parser must see them in the text.
+        plan.keep_special_tokens = _markers_are_special(ctx, plan.reasoning_parser.special_markers)
     if not body.tools:
         if body.tool_choice is not None:
             raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
@@ -199,7 +202,7 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
         name = _auto_parser_name(ctx, body.chat_template)
         parser_cls = get_tool_parser(name)
         plan.make_tool_parser = parser_cls
-        plan.keep_special_tokens = _markers_are_special(ctx, parser_cls.special_markers)
+        plan.keep_special_tokens |= _markers_are_special(ctx, parser_cls.special_markers)
         return plan
     if choice == "required":
         schema = required_schema(functions, parallel)
@@ -223,6 +226,7 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
     # The grammar makes the output JSON from its first token: there is no reasoning to split off, and
     # a prompt that opened <think> must not turn the call into reasoning.
     plan.reasoning_parser = None
+    plan.keep_special_tokens = False
     return plan
 
 

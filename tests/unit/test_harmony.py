@@ -26,6 +26,11 @@ CALL = (
 )
 REASONING_CASES = [
     (ANALYSIS_THEN_FINAL, ("User asks 2+2.", "2 + 2 = 4.")),
+    # Whitespace at a body's edges (touching markup) is dropped; inside it is kept.
+    (
+        "<|channel|>analysis<|message|>\n Think  twice \n<|end|><|start|>assistant<|channel|>final<|message|> Yes. ",
+        ("Think  twice", "Yes."),
+    ),
     # Text after a terminator with no header is a message on no channel: content.
     (
         "<|channel|>analysis<|message|>A<|end|> stray<|start|>assistant<|channel|>final<|message|>B",

@@ -13,8 +13,10 @@ which may also stand before ``<|channel|>``), a tool call whose body is the argu
 
 ``HarmonyStream`` splits streamed text into ``HarmonyEvent``s: a ``header`` once a message's
 ``<|message|>`` arrives (with its channel, recipient and raw header text), ``body`` fragments, and
-``end`` with the terminator. It holds back only text that may be the start of a marker, so any split
-of the text gives the same events once adjacent body fragments are joined. Text before any header is
+``end`` with the terminator. Whitespace at either edge of a body is dropped (whitespace touching
+markup, as the other parsers drop it). It holds back only text that may be the start of a marker or
+trailing whitespace, so any split of the text gives the same events once adjacent body fragments are
+joined. Text before any header is
 the body of a message with no channel; a new ``<|start|>`` or ``<|channel|>`` inside a body ends that
 message (a model that skipped a terminator). The markers are special tokens of gpt-oss's tokenizer:
 the serving layer keeps special tokens in the text for a harmony parser.
@@ -53,6 +55,22 @@ class HarmonyStream:
     def __init__(self) -> None:
         self._state = "between"  # between messages | header | body
         self._buffer = ""
+        self._body_started = False  # the open body has non-whitespace text
+        self._body_ws = ""  # whitespace after the body's last text, dropped if the body ends
+
+    def _body(self, events: list[HarmonyEvent], text: str) -> None:
+        if not self._body_started:
+            text = text.lstrip()
+        kept = text.rstrip()
+        if kept:
+            events.append(HarmonyEvent("body", self._body_ws + kept))
+            self._body_started, self._body_ws = True, ""
+        if self._body_started:
+            self._body_ws += text[len(kept) :]
+
+    def _end(self, events: list[HarmonyEvent], terminator: str = "") -> None:
+        events.append(HarmonyEvent("end", terminator))
+        self._body_started, self._body_ws = False, ""
 
     def feed(self, text: str) -> list[HarmonyEvent]:
         self._buffer += text
@@ -88,9 +106,8 @@ class HarmonyStream:
         by ``<|message|>`` is dropped: it has no body)."""
         events: list[HarmonyEvent] = []
         if self._state == "body":
-            if self._buffer:
-                events.append(HarmonyEvent("body", self._buffer))
-            events.append(HarmonyEvent("end"))
+            self._body(events, self._buffer)
+            self._end(events)
         self._buffer, self._state = "", "between"
         return events
 
@@ -100,18 +117,16 @@ class HarmonyStream:
         found = [(buffer.find(m), m) for m in _BODY_MARKERS if m in buffer]
         if not found:
             keep = max(_marker_prefix_len(buffer, m) for m in _BODY_MARKERS)
-            if len(buffer) > keep:
-                events.append(HarmonyEvent("body", buffer[: len(buffer) - keep]))
+            self._body(events, buffer[: len(buffer) - keep])
             self._buffer = buffer[len(buffer) - keep :]
             return False
         at, marker = min(found)
-        if at:
-            events.append(HarmonyEvent("body", buffer[:at]))
+        self._body(events, buffer[:at])
         if marker in TERMINATORS:
-            events.append(HarmonyEvent("end", marker))
+            self._end(events, marker)
             self._buffer = buffer[at + len(marker) :]
         else:  # a new header without a terminator: the message ends here
-            events.append(HarmonyEvent("end"))
+            self._end(events)
             self._buffer = buffer[at:]
         self._state = "between"
         return True

@@ -40,6 +40,8 @@ SCRIPTS = {
         '{"city":',
         '"Paris"}',
         "<|call|>",
+        "Hallucinated",  # what a model goes on with if <|call|> does not end the turn
+        "result.",
     ],
 }
 SPECIAL = [piece for pieces in SCRIPTS.values() for piece in pieces if "<|" in piece]
@@ -105,6 +107,8 @@ def test_harmony_tool_call(harmony_server: ServerProcess) -> None:
     )  # type: ignore[arg-type]
     [choice] = response.choices
     assert choice.finish_reason == "tool_calls"
+    # <|call|> (not an EOS in gpt-oss's config) stopped the turn: the script up to it, nothing after.
+    assert response.usage.completion_tokens == SCRIPTS["weather?"].index("<|call|>") + 1
     assert choice.message.model_extra["reasoning_content"] == "Need the weather."
     assert choice.message.content is None
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 START = "<|start|>"
 CHANNEL = "<|channel|>"
 MESSAGE = "<|message|>"
-TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
+CALL = "<|call|>"
+TERMINATORS = ("<|end|>", "<|return|>", CALL)
 _HEADER_STARTS = (START, CHANNEL)
 _BODY_MARKERS = TERMINATORS + _HEADER_STARTS
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")

@@ -12,7 +12,7 @@ function call and is dropped rather than shown as content.
 
 from __future__ import annotations
 
-from tokenmill.frontend.harmony import CHANNEL, MESSAGE, TERMINATORS, HarmonyEvent, HarmonyStream
+from tokenmill.frontend.harmony import CALL, CHANNEL, MESSAGE, TERMINATORS, HarmonyEvent, HarmonyStream
 from tokenmill.frontend.tool_parsers.base import ToolParser
 
 FUNCTIONS = "functions."
@@ -21,6 +21,7 @@ FUNCTIONS = "functions."
 class HarmonyToolParser(ToolParser):
     name = "openai"
     special_markers = (CHANNEL, MESSAGE, *TERMINATORS)
+    stop_markers = (CALL,)  # gpt-oss's config lists only <|return|> as EOS; a call must end the turn too
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,10 +1,13 @@
 """gpt-oss's harmony format through a real server: reasoning and tool calls, streamed and not.
 
-A scripted model (``scripted_model.py``) writes harmony on cue. Its channel markup tokens are special
-tokens of its tokenizer, as in gpt-oss's, so the server must keep special tokens in the text for the
-parsers (``--reasoning-parser openai_gptoss --tool-call-parser openai``) to see them. A first-order
-script cannot repeat a token, so each token carries a whole run of markup (``<|end|><|start|>
-assistant<|channel|>final<|message|>``). A second server runs the tiny random gpt-oss natively.
+The served model is a tiny gpt-oss, run by our native ``GptOssForCausalLM`` (sinks, sliding layers and
+experts all computed), with the scripted model's weights (``scripted_model.py``) carried over: the
+attention and expert outputs are zero (weights and biases), so the residual stream is the token's
+one-hot embedding and the LM head maps each token to its successor in a script. Its channel markup
+tokens are special tokens of its tokenizer, as in gpt-oss's, so the server must keep special tokens in
+the text for the parsers (``--reasoning-parser openai_gptoss --tool-call-parser openai``) to see them.
+A first-order script cannot repeat a token, so each token carries a whole run of markup
+(``<|end|><|start|>assistant<|channel|>final<|message|>``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SPECIAL = [piece for pieces in SCRIPTS.values() for piece in pieces if "<|" in p
 def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     path = str(tmp_path_factory.mktemp("harmony-scripted"))
     build_scripted_model(path, SCRIPTS)
+    _as_gpt_oss(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     # The script's markup tokens (same ids) and the bare markers become special tokens.
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL + MARKERS})
@@ -65,9 +69,48 @@ def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
         "--tool-call-parser",
         "openai",
     ]
-    server = ServerProcess(path, args)
+    log_path = str(tmp_path_factory.mktemp("harmony-log") / "server.log")
+    server = ServerProcess(path, [*args, "--log-level", "info"], log_path=log_path)
+    assert "native implementation: native GptOssForCausalLM" in server.log()
     yield server
     server.stop()
+
+
+def _as_gpt_oss(path: str) -> None:
+    """Replace the scripted Llama in ``path`` by a gpt-oss computing the same script."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    llama = load_file(f"{path}/model.safetensors")
+    head = llama["lm_head.weight"]  # [vocab, hidden]: token i's column puts the margin on its successor
+    size = head.shape[0]
+    config = GptOssConfig(
+        vocab_size=size,
+        hidden_size=size,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        max_position_embeddings=2048,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "o_proj" in name or "experts.down_proj" in name:
+                param.zero_()  # weights and biases: the layers add nothing to the residual stream
+        model.model.embed_tokens.weight.copy_(torch.eye(size))
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
 
 
 def _ask(cue: str) -> list[dict[str, Any]]:
@@ -118,24 +161,3 @@ def test_harmony_tool_call(harmony_server: ServerProcess) -> None:
     assert state["reasoning"] == "Need the weather." and state["content"] == ""
     assert [(c["name"], c["arguments"]) for c in state["calls"]] == [("get_weather", '{"city": "Paris"}')]
     assert state["finish"] == "tool_calls"
-
-
-def test_tiny_gpt_oss_serves_natively(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from tests.conftest import save_tiny_model
-    from tests.models.test_gpt_oss import GPT_OSS
-
-    path = str(tmp_path_factory.mktemp("tiny-gpt-oss-server"))
-    save_tiny_model(GPT_OSS, seed=5, folder=path)
-    server = ServerProcess(
-        path, [*TINY_ARGS, "--served-model-name", "gpt-oss", "--reasoning-parser", "gpt_oss"]
-    )
-    try:
-        response = server.client().chat.completions.create(
-            model="gpt-oss", messages=_ask("hello"), max_tokens=12, temperature=0
-        )  # type: ignore[arg-type]
-        [choice] = response.choices
-        # Random weights write no harmony markup: all of it is content.
-        assert choice.finish_reason == "length" and response.usage.completion_tokens == 12
-        assert choice.message.content and choice.message.model_extra.get("reasoning_content") is None
-    finally:
-        server.stop()

@@ -158,9 +158,10 @@ class ChatToolPlan:
                     param="tool_choice",
                 )
             changes["structured_outputs"] = self.structured_outputs
-        missing_stops = [t for t in self.stop_token_ids if t not in params.stop_token_ids]
+        stops = list(params.stop_token_ids or [])
+        missing_stops = [t for t in self.stop_token_ids if t not in stops]
         if missing_stops:
-            changes["stop_token_ids"] = [*params.stop_token_ids, *missing_stops]
+            changes["stop_token_ids"] = stops + missing_stops
         if self.keep_special_tokens:
             # The format's markers are special tokens: keep them, and nothing between them.
             changes["skip_special_tokens"] = False

@@ -256,3 +256,25 @@ def test_mxfp4_half_without_its_pair_and_other_quantizations_are_refused(tiny_gp
     config.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(ValueError, match="quantization 'fp8' is not supported natively"):
         GptOssArgs.from_hf(config)
+
+
+def test_deterministic_mode_is_batch_invariant(tiny_gpt_oss: TinyModel) -> None:
+    """In the deterministic mode a request's logprobs are bit-identical alone and in a batch: the sinks
+    go through the deterministic backend and every (token, expert) pair is computed alone (a matmul
+    over the tokens a batch routed to one expert rounds differently with their number)."""
+    llm = LLM(
+        tiny_gpt_oss.path,
+        dtype="float32",
+        block_size=4,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+        deterministic=True,
+    )
+    prompts = _prompts()
+    params = greedy(8, logprobs=0)
+    alone = llm.generate(as_inputs([prompts[3]]), params, use_tqdm=False)[0].outputs[0]
+    batched = llm.generate(as_inputs(prompts), params, use_tqdm=False)[3].outputs[0]
+    assert alone.token_ids == batched.token_ids == tiny_gpt_oss.greedy(prompts[3], 8)
+    assert alone.logprobs is not None and batched.logprobs is not None
+    for token, a, b in zip(alone.token_ids, alone.logprobs, batched.logprobs):
+        assert a[token].logprob == b[token].logprob

@@ -94,6 +94,9 @@ class FusedExperts(nn.Module):
                 torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False
             )
         self.act = expert_activation(hidden_act)
+        # Deterministic mode: every (token, expert) pair is computed alone, so a token's result does not
+        # depend on how many others the batch routed to the same expert (a matmul's rounding does).
+        self.batch_invariant = False
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` of ``gate_up [rows, 2 * intermediate]`` (gate first): ``[rows, intermediate]``.
@@ -143,16 +146,21 @@ class FusedExperts(nn.Module):
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            rows = grouped[start : start + count]  # [count, hidden_size]
-            b13 = None if self.w13_bias is None else self.w13_bias[expert]
-            b2 = None if self.w2_bias is None else self.w2_bias[expert]
-            gate_up = F.linear(rows, self.w13[expert], b13)  # [count, 2 * intermediate]
-            expert_out[start : start + count] = F.linear(self.gated(gate_up), self.w2[expert], b2)
+            for first in range(start, start + count) if self.batch_invariant else (start,):
+                end = first + 1 if self.batch_invariant else start + count
+                expert_out[first:end] = self._expert(expert, grouped[first:end])
             start += count
         pair_weights = weights.reshape(-1).index_select(0, order).to(hidden.dtype)  # [num_pairs]
         out = torch.zeros_like(hidden)  # [num_tokens, hidden_size]
         out.index_add_(0, token_rows, expert_out * pair_weights[:, None])
         return out
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s MLP over ``rows [n, hidden_size]``: ``[n, hidden_size]``."""
+        b13 = None if self.w13_bias is None else self.w13_bias[expert]
+        b2 = None if self.w2_bias is None else self.w2_bias[expert]
+        gate_up = F.linear(rows, self.w13[expert], b13)  # [n, 2 * intermediate]
+        return F.linear(self.gated(gate_up), self.w2[expert], b2)  # [n, hidden_size]
 
 
 def expert_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -22,6 +22,7 @@ from tokenmill.core.step_io import (
 )
 from tokenmill.layers.attention import AttentionBackend, SequenceStep, select_backend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
+from tokenmill.layers.fused_moe import FusedExperts
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
@@ -73,9 +74,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def use_deterministic_attention(model: torch.nn.Module) -> None:
-    """Deterministic mode: every attention layer attends through ``DeterministicBackend`` and the
-    fused decode stack (which runs its own attention kernel) is dropped."""
+    """Deterministic mode: every attention layer attends through ``DeterministicBackend``, mixture-of-
+    experts layers compute each (token, expert) pair alone, and the fused decode stack (which runs its
+    own attention kernel) is dropped."""
     for module in model.modules():
+        if isinstance(module, FusedExperts):
+            module.batch_invariant = True
         for name, child in list(vars(module).items()):
             if isinstance(child, AttentionBackend):
                 setattr(

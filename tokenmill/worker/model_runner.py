@@ -22,11 +22,11 @@ from tokenmill.core.step_io import (
 )
 from tokenmill.layers.attention import AttentionBackend, SequenceStep, select_backend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
-from tokenmill.layers.fused_moe import FusedExperts
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.forward_batch import ForwardBatch
+from tokenmill.layers.fused_moe import FusedExperts
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.loader import ModelSource

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from scripted_model import build_scripted_model
+from scripted_model import CHAT_TEMPLATE, build_scripted_model
 from server_process import TINY_ARGS, ServerProcess
 from test_tool_calls import TOOLS, _collect
 from transformers import AutoTokenizer
@@ -59,6 +59,10 @@ def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     # The script's markup tokens (same ids) and the bare markers become special tokens.
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL + MARKERS})
     assert tokenizer.convert_tokens_to_ids(SPECIAL[0]) < 64  # kept its id: the model's vocabulary
+    # As gpt-oss's template, this one writes the request's reasoning_effort (two more prompt tokens).
+    tokenizer.chat_template = (
+        "{% if reasoning_effort is defined %}effort {{ reasoning_effort }} {% endif %}" + (CHAT_TEMPLATE)
+    )
     tokenizer.save_pretrained(path)
     args = [
         *TINY_ARGS,
@@ -161,3 +165,21 @@ def test_harmony_tool_call(harmony_server: ServerProcess) -> None:
     assert state["reasoning"] == "Need the weather." and state["content"] == ""
     assert [(c["name"], c["arguments"]) for c in state["calls"]] == [("get_weather", '{"city": "Paris"}')]
     assert state["finish"] == "tool_calls"
+
+
+def test_reasoning_effort_reaches_the_template(harmony_server: ServerProcess) -> None:
+    client = harmony_server.client()
+    plain = client.chat.completions.create(model="scripted", messages=_ask("sum?"), max_tokens=30)  # type: ignore[arg-type]
+    high = client.chat.completions.create(
+        model="scripted",
+        messages=_ask("sum?"),
+        max_tokens=30,
+        reasoning_effort="high",  # type: ignore[arg-type]
+    )
+    assert high.usage.prompt_tokens == plain.usage.prompt_tokens + 2
+    assert high.choices[0].message.content == "It is 4."
+    with harmony_server.http() as http:
+        body = {"model": "scripted", "messages": _ask("sum?"), "reasoning_effort": "extreme"}
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "reasoning_effort must be one of low, medium, high" in response.json()["error"]["message"]

@@ -1,13 +1,15 @@
 """Attention sinks (gpt-oss) through the attention backend interface: the reference computes them as a
-per-head logit in each softmax denominator, and the CPU and deterministic backends, whose kernels lack
-them, give the reference's answer rather than ignoring them."""
+per-head logit in each softmax denominator; the CPU backend's decode kernel has them (its prompt
+chunks go through the reference's code) and the deterministic backend adds them to its per-row
+softmax; both give the reference's answer, never one without the sinks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.test_cpu_attention import build_step
+from tests.unit.test_cpu_attention import ATOL, build_step
+from tokenmill.layers.attention import cpu_paged
 from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
@@ -67,7 +69,9 @@ def test_reference_sinks_follow_the_definition_and_matter(window: int | None) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_and_deterministic_backends_give_the_reference_answer(dtype: torch.dtype) -> None:
+def test_cpu_and_deterministic_backends_give_the_reference_answer(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     query, key, value, kv_cache, metadata = build_step(
         SEQ_LENS, CHUNKS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, window=8
     )
@@ -76,11 +80,20 @@ def test_cpu_and_deterministic_backends_give_the_reference_answer(dtype: torch.d
     expected = TorchReferenceBackend(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
         query, key, value, kv_cache.clone(), metadata, sinks=sinks
     )
+    kernel_sinks: list[torch.Tensor | None] = []
+    decode_kernel = cpu_paged.paged_attention_decode
+
+    def recording_kernel(*args, sinks=None, **kwargs):  # type: ignore[no-untyped-def]
+        kernel_sinks.append(sinks)
+        return decode_kernel(*args, sinks=sinks, **kwargs)
+
+    monkeypatch.setattr(cpu_paged, "paged_attention_decode", recording_kernel)
     cpu_cache = kv_cache.clone()
     cpu = CpuPagedBackend(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
         query, key, value, cpu_cache, metadata, sinks=sinks
     )
-    assert torch.equal(cpu, expected)
+    assert len(kernel_sinks) == 1 and kernel_sinks[0] is sinks  # the decode group took the kernel
+    assert torch.allclose(cpu.float(), expected.float(), atol=ATOL[dtype])
     no_sinks = CpuPagedBackend(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
         query, key, value, cpu_cache, metadata
     )

@@ -14,8 +14,8 @@ tokens), in bfloat16 or float16, runs every row through the decode kernel as a d
 cost more than the attention itself. Longer chunks keep the reference's gather + SDPA.
 
 Float32 rows over a 16-bit cache (``--kv-cache-dtype``) take the same kernels (``kernels_read``);
-other mixes of row and cache dtypes go through the reference, and so do layers with attention sinks
-(gpt-oss), which the kernels do not implement.
+other mixes of row and cache dtypes go through the reference. Attention sinks (gpt-oss) are in the
+decode kernel only: prompt chunks of such layers attend through the reference's code.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ class CpuPagedBackend(TorchReferenceBackend):
     ) -> torch.Tensor:
         """A step of decodes only (one group covering every row in order) returns the kernel's output
         itself instead of copying it into a new tensor; so does a step whose prompt chunks are all
-        short (every row a decode of its own); anything else goes group by group. The kernels have no
-        attention sinks: a layer with ``sinks`` attends through the reference's code (K/V are still
-        stored by the kernel)."""
+        short (every row a decode of its own); anything else goes group by group. With ``sinks``
+        (gpt-oss), decode groups take the decode kernel, which has them; the prefill kernel has not,
+        so prompt chunks attend through the reference's code then."""
         if sinks is not None:
             return super().forward(query, key, value, kv_cache, metadata, sinks)
         rows = self.kernel_rows(metadata, query.shape[0], query.dtype, kv_cache)
@@ -104,8 +104,10 @@ class CpuPagedBackend(TorchReferenceBackend):
         query: torch.Tensor,  # [S, num_heads, head_dim]: one row per sequence of the group, in order
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         group: AttentionGroup,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         assert group.block_tables is not None and group.seq_lens is not None
+        with_sinks = {} if sinks is None else {"sinks": sinks}
         return paged_attention_decode(
             query,
             kv_cache[0],
@@ -114,7 +116,22 @@ class CpuPagedBackend(TorchReferenceBackend):
             group.seq_lens,
             self.scale,
             group.sliding_window,
+            **with_sinks,
         )  # [S, num_heads, head_dim]
+
+    def _attend_group_with_sinks(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        sinks: torch.Tensor,  # [num_heads]
+    ) -> None:
+        """A decode group through the decode kernel with the sinks; prompt chunks through the reference."""
+        if not self._kernel_handles(query.dtype, kv_cache, group):
+            super()._attend_group_with_sinks(query, kv_cache, group, out, sinks)
+            return
+        self._attend_decodes(query, kv_cache, group, out, sinks)
 
     def _attend_group(
         self,
@@ -138,11 +155,22 @@ class CpuPagedBackend(TorchReferenceBackend):
         if not self._kernel_handles(query.dtype, kv_cache, group):
             super()._attend_group(query, kv_cache, group, out)
             return
+        self._attend_decodes(query, kv_cache, group, out)
+
+    def _attend_decodes(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        sinks: torch.Tensor | None = None,  # [num_heads]
+    ) -> None:
+        """A decode group (one row per sequence) through the decode kernel."""
         assert group.block_tables is not None and group.seq_lens is not None
         rows = group.valid_rows  # [S]: a decode group has one valid row per sequence
         first, num_seqs = group.first_row, group.block_tables.shape[0]
         selected = query.index_select(0, rows) if first is None else query[first : first + num_seqs]
-        attended = self._decode(selected, kv_cache, group)  # [S, num_heads, head_dim]
+        attended = self._decode(selected, kv_cache, group, sinks)  # [S, num_heads, head_dim]
         if first is None:
             out.index_copy_(0, rows, attended)
         else:

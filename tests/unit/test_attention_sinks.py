@@ -68,12 +68,13 @@ def test_reference_sinks_follow_the_definition_and_matter(window: int | None) ->
     assert (without - with_sinks).abs().max() > 0.05  # a sink of logit 4 takes a visible share
 
 
+@pytest.mark.parametrize("chunks", [CHUNKS, ()], ids=["decodes-and-chunks", "decodes-only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_and_deterministic_backends_give_the_reference_answer(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, chunks: tuple[tuple[int, int], ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     query, key, value, kv_cache, metadata = build_step(
-        SEQ_LENS, CHUNKS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, window=8
+        SEQ_LENS, chunks, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, window=8
     )
     sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], dtype=dtype)
     scale = HEAD_DIM**-0.5
@@ -92,7 +93,7 @@ def test_cpu_and_deterministic_backends_give_the_reference_answer(
     cpu = CpuPagedBackend(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
         query, key, value, cpu_cache, metadata, sinks=sinks
     )
-    assert len(kernel_sinks) == 1 and kernel_sinks[0] is sinks  # the decode group took the kernel
+    assert len(kernel_sinks) == 1 and kernel_sinks[0] is sinks  # the decode rows took the kernel
     assert torch.allclose(cpu.float(), expected.float(), atol=ATOL[dtype])
     no_sinks = CpuPagedBackend(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
         query, key, value, cpu_cache, metadata

@@ -88,15 +88,14 @@ class CpuPagedBackend(TorchReferenceBackend):
         short (every row a decode of its own); anything else goes group by group. With ``sinks``
         (gpt-oss), decode groups take the decode kernel, which has them; the prefill kernel has not,
         so prompt chunks attend through the reference's code then."""
-        if sinks is not None:
-            return super().forward(query, key, value, kv_cache, metadata, sinks)
         rows = self.kernel_rows(metadata, query.shape[0], query.dtype, kv_cache)
         if rows is None:
-            return super().forward(query, key, value, kv_cache, metadata)
+            return super().forward(query, key, value, kv_cache, metadata, sinks)
         block_tables, seq_lens, window = rows
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
+        with_sinks = {} if sinks is None else {"sinks": sinks}
         return paged_attention_decode(
-            query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window
+            query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window, **with_sinks
         )  # [num_tokens, num_heads, head_dim]
 
     def _decode(

@@ -20,7 +20,7 @@ decode kernel only: prompt chunks of such layers attend through the reference's 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -93,7 +93,9 @@ class CpuPagedBackend(TorchReferenceBackend):
             return super().forward(query, key, value, kv_cache, metadata, sinks)
         block_tables, seq_lens, window = rows
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
-        with_sinks = {} if sinks is None else {"sinks": sinks}
+        with_sinks: dict[str, Any] = (
+            {} if sinks is None else {"sinks": sinks}
+        )  # a stand-in kernel may lack it
         return paged_attention_decode(
             query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window, **with_sinks
         )  # [num_tokens, num_heads, head_dim]
@@ -106,7 +108,9 @@ class CpuPagedBackend(TorchReferenceBackend):
         sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         assert group.block_tables is not None and group.seq_lens is not None
-        with_sinks = {} if sinks is None else {"sinks": sinks}
+        with_sinks: dict[str, Any] = (
+            {} if sinks is None else {"sinks": sinks}
+        )  # a stand-in kernel may lack it
         return paged_attention_decode(
             query,
             kv_cache[0],

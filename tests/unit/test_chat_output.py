@@ -53,7 +53,10 @@ def test_reasoning_split_is_the_same_for_every_split(
 
 def test_reasoning_registry_and_prompt_detection() -> None:
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
-    with pytest.raises(ValueError, match="unknown reasoning parser 'o1'; known parsers: deepseek_r1, qwen3"):
+    with pytest.raises(
+        ValueError,
+        match="unknown reasoning parser 'o1'; known parsers: deepseek_r1, gpt_oss, openai_gptoss, qwen3",
+    ):
         get_reasoning_parser("o1")
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -252,7 +252,7 @@ def test_registry_and_detection() -> None:
     assert get_tool_parser("hermes") is HermesToolParser
     assert get_tool_parser("qwen") is HermesToolParser
     with pytest.raises(
-        ValueError, match="unknown tool-call parser 'nope'; known parsers: hermes, llama3_json"
+        ValueError, match="unknown tool-call parser 'nope'; known parsers: gpt_oss, hermes, llama3_json"
     ):
         get_tool_parser("nope")
     assert detect_tool_parser("... <tool_call>\n{{ tool | tojson }} ...") == "hermes"

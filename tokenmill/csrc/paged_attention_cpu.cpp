@@ -90,6 +90,9 @@ struct Problem {
   int64_t padded_dim;  // chunks * 16
   float scale;
   bool tiles;  // ranges starting on a block take the tile path (AMX; bfloat16, see TileBuffers)
+  // Attention sinks (gpt-oss), one logit per query head, or null: each head's softmax starts from a
+  // key of that logit and no value (running max = the sink, running sum = 1, accumulator 0).
+  const float* sinks;
 };
 
 // Head-dim geometry: kChunks > 0 fixes head_dim = 16 * kChunks at compile time; 0 reads it at run time.
@@ -440,8 +443,8 @@ void init_state(const Problem<scalar_t>& p, Scratch& s, const Member& m, int64_t
     else
       for (int64_t d = 0; d < p.head_dim; ++d) q[d] = static_cast<float>(p.query[offset + d]);
     std::fill(&s.acc[(m.base + h) * p.padded_dim], &s.acc[(m.base + h + 1) * p.padded_dim], 0.0f);
-    s.row_max[m.base + h] = kNegInf;
-    s.row_sum[m.base + h] = 0.0f;
+    s.row_max[m.base + h] = p.sinks != nullptr ? p.sinks[h] : kNegInf;
+    s.row_sum[m.base + h] = p.sinks != nullptr ? 1.0f : 0.0f;
   }
 }
 
@@ -669,7 +672,8 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
 
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window, bool tiles) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window, bool tiles,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3, "query must be [S, num_heads, head_dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
               "key_cache/value_cache must be [num_blocks, block_size, kv_heads, head_dim]");
@@ -699,6 +703,12 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "the head_dim axis must be contiguous");
   // Tiny tensors: one int64 layout keeps the number of kernel instantiations down.
+  at::Tensor sink_values;  // [num_heads] float32, defined when the layer has attention sinks
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads && sinks->device().is_cpu(),
+                "sinks must be a CPU tensor [num_heads]");
+    sink_values = sinks->to(at::kFloat).contiguous();
+  }
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   at::Tensor out =
@@ -738,6 +748,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
                        p.chunks = (head_dim + kLanes - 1) / kLanes;
                        p.padded_dim = p.chunks * kLanes;
                        p.scale = static_cast<float>(scale);
+                       p.sinks = sink_values.defined() ? sink_values.data_ptr<float>() : nullptr;
 #ifdef TOKENMILL_ATTENTION_AMX
                        p.tiles = tiles && !float32_query && std::is_same_v<scalar_t, c10::BFloat16> &&
                                  (head_dim == 64 || head_dim == 128) &&
@@ -854,16 +865,16 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 }
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const std::optional<at::Tensor>& sinks) {
   return ::tokenmill::paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window,
-                                             /*tiles=*/true);
+                                             /*tiles=*/true, sinks);
 }
 }  // namespace tokenmill::ops
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, bool tiles=True) -> Tensor");
+      "Tensor seq_lens, float scale, int window, bool tiles=True, Tensor? sinks=None) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def("attention_tiles_available() -> bool", &tokenmill::ops::attention_tiles_available);
 }

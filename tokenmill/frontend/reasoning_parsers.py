@@ -10,12 +10,20 @@ default when neither the prompt nor the output opens a block:
   without an opening tag (and all of it if the tag never comes).
 - ``qwen3``: no opening tag means thinking is off (``enable_thinking=False``): all text is content.
 
+gpt-oss writes the harmony format instead (``frontend/harmony.py``): ``openai_gptoss`` (vLLM's name;
+``gpt_oss`` is an alias) takes the ``analysis`` channel as reasoning and the ``final`` channel and
+recipient-less ``commentary`` (preambles) as content; messages addressed to a tool are passed on in the
+content verbatim, markup included, for the harmony tool parser to read.
+
 Like the tool parsers, one state machine serves streaming and non-streaming: ``parse(text)`` is
 ``feed(text)`` plus ``finish()``, so any split of the text gives the same two strings.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from tokenmill.frontend.harmony import CHANNEL, MESSAGE, TERMINATORS, HarmonyEvent, HarmonyStream
 from tokenmill.frontend.tool_parsers.base import marker_prefix_len
 
 THINK_START = "<think>"
@@ -27,6 +35,8 @@ class ThinkReasoningParser:
 
     name = "think"
     implicit_start = False  # reasoning first even without <think> (DeepSeek-R1)
+    # Markers that tokenizers may mark special: the serving layer then keeps special tokens in the text.
+    special_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, prompt_opened: bool = False) -> None:
         # start: undecided whether the output opens a block | reasoning | content
@@ -111,9 +121,47 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     name = "qwen3"
 
 
+class HarmonyReasoningParser(ThinkReasoningParser):
+    """gpt-oss's harmony channels (module docstring): the same ``feed``/``finish``/``parse`` contract,
+    read with ``HarmonyStream`` instead of ``<think>`` tags. ``prompt_opened`` is ignored: a harmony
+    prompt ends with ``<|start|>assistant`` and the output names its channel."""
+
+    name = "openai_gptoss"
+    special_markers = (CHANNEL, MESSAGE, *TERMINATORS)
+
+    def __init__(self, prompt_opened: bool = False) -> None:
+        super().__init__(False)
+        self._stream = HarmonyStream()
+        self._route = "content"  # where the open message's body goes: reasoning | content | raw
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._split(self._stream.feed(text))
+
+    def finish(self) -> tuple[str, str]:
+        return self._split(self._stream.finish())
+
+    def _split(self, events: list[HarmonyEvent]) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        for event in events:
+            if event.kind == "header":
+                if event.recipient is not None:  # a tool call: verbatim, for the tool parser
+                    self._route = "raw"
+                    content.append(event.text + MESSAGE)
+                else:
+                    self._route = "reasoning" if event.channel == "analysis" else "content"
+            elif event.kind == "body":
+                (reasoning if self._route == "reasoning" else content).append(event.text)
+            elif self._route == "raw":  # the end of a tool call's message
+                content.append(event.text)
+        return self._seen("".join(reasoning)), "".join(content)
+
+
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser,
+    "gpt_oss": HarmonyReasoningParser,
 }
 
 

@@ -151,7 +151,7 @@ def _register_fake() -> None:
     """Shape-only implementation so the op can be traced by ``torch.compile``."""
 
     @torch.library.register_fake("tokenmill::paged_attention_decode")
-    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window, tiles=True):  # type: ignore[no-untyped-def]
+    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, window, tiles=True, sinks=None):  # type: ignore[no-untyped-def]
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("tokenmill::paged_prefill_attention")
@@ -184,6 +184,7 @@ def paged_attention_decode(
     scale: float,
     window: int | None = None,
     tiles: bool = True,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
     """One query token per sequence attending to its cached keys/values, read through its block table.
 
@@ -194,9 +195,13 @@ def paged_attention_decode(
     cache holding those values). ``tiles`` lets bfloat16 caches of 16-slot blocks
     with head_dim 64 or 128 use AMX tile products where the CPU and the OS allow them (the
     probabilities then meet the values in bfloat16, as in flash attention); False keeps the vector
-    path. Builds the kernel on first use; raises ``RuntimeError`` when it cannot.
+    path. ``sinks`` (gpt-oss's attention sinks) adds ``exp(sinks[h])`` to head ``h``'s softmax
+    denominator, a key without a value. Builds the kernel on first use; raises ``RuntimeError`` when it
+    cannot.
     """
-    return _op()(query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0), tiles)
+    return _op()(
+        query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window or 0), tiles, sinks
+    )
 
 
 def paged_prefill_attention(

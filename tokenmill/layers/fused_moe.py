@@ -66,7 +66,13 @@ class FusedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        dtype: torch.dtype,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -78,8 +84,24 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
+        # Per-expert biases of both projections (gpt-oss has them), [num_experts, out_features].
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w13_bias = nn.Parameter(
+                torch.zeros(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
+            )
+            self.w2_bias = nn.Parameter(
+                torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False
+            )
         self.act = expert_activation(hidden_act)
         self.row_tile = 0  # deterministic mode: see LinearBase.row_tile
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of ``gate_up [rows, 2 * intermediate]`` (gate first): ``[rows, intermediate]``.
+        A family with another gating (gpt-oss's clamped SwiGLU) overrides this."""
+        gate, up = gate_up.chunk(2, dim=-1)  # [rows, intermediate] each
+        return self.act(gate) * up
 
     def load_expert(self, expert_id: int, shard: str, tensor: torch.Tensor) -> None:
         """Place one expert's ``gate``/``up`` ([intermediate, hidden]) or ``down`` ([hidden, intermediate])."""
@@ -132,11 +154,14 @@ class FusedExperts(nn.Module):
         return out
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        """One expert's gated MLP over ``rows`` ``[count, hidden_size]``."""
+        """Expert ``expert``'s MLP over ``rows [n, hidden_size]``: ``[n, hidden_size]``; in row tiles
+        in the deterministic mode (``row_tile``)."""
+        b13 = None if self.w13_bias is None else self.w13_bias[expert]
+        b2 = None if self.w2_bias is None else self.w2_bias[expert]
 
         def mlp(x: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
-            return F.linear(self.act(gate) * up, self.w2[expert])  # [count, hidden_size]
+            gate_up = F.linear(x, self.w13[expert], b13)  # [n, 2 * intermediate]
+            return F.linear(self.gated(gate_up), self.w2[expert], b2)  # [n, hidden_size]
 
         return row_tiled(mlp, rows, self.row_tile) if self.row_tile else mlp(rows)
 

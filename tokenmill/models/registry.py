@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
+from tokenmill.models.gpt_oss import GptOssForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.mixtral import MixtralForCausalLM
 from tokenmill.models.nemotron_h import NemotronHForCausalLM
@@ -24,6 +25,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -117,7 +117,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
-        help="split <think>...</think> into reasoning_content (default: reasoning stays in the content)",
+        help="split <think>...</think> (qwen3, deepseek_r1) or harmony analysis channels (openai_gptoss) into "
+        "reasoning_content (default: reasoning stays in the content)",
     )
     add_engine_args(parser)
 

@@ -120,6 +120,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    reasoning_effort: str | None = None  # OpenAI's low | medium | high, given to the chat template
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]

@@ -49,6 +49,10 @@ from tokenmill.server.streaming import (
     sse,
 )
 
+# OpenAI's reasoning_effort values (gpt-oss's chat template reads the field).
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -128,6 +132,13 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
             param="stream_reasoning",
         )
     template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:  # gpt-oss's template writes it into the system message
+        if body.reasoning_effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {body.reasoning_effort!r}",
+                param="reasoning_effort",
+            )
+        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     if body.continue_final_message:
         template_kwargs["continue_final_message"] = True
     num_top = (body.top_logprobs or 0) if body.logprobs else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.frontend.chat_output import ChatMessageParts, ChatOutputParser
@@ -145,6 +145,7 @@ class ChatToolPlan:
     max_tool_calls: int | None = None
     keep_special_tokens: bool = False
     reasoning_parser: type[ThinkReasoningParser] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # the tool format's stop markers
 
     def apply(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the grammar and detokenization this plan needs; 400 on a clashing constraint."""
@@ -157,6 +158,10 @@ class ChatToolPlan:
                     param="tool_choice",
                 )
             changes["structured_outputs"] = self.structured_outputs
+        stops = list(params.stop_token_ids or [])
+        missing_stops = [t for t in self.stop_token_ids if t not in stops]
+        if missing_stops:
+            changes["stop_token_ids"] = stops + missing_stops
         if self.keep_special_tokens:
             # The format's markers are special tokens: keep them, and nothing between them.
             changes["skip_special_tokens"] = False
@@ -184,6 +189,9 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
     """Validate the request's tool fields and decide how calls are made (see the module docstring)."""
     reasoning = ctx.settings.reasoning_parser
     plan = ChatToolPlan(reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)
+    if plan.reasoning_parser is not None and plan.reasoning_parser.special_markers:
+        # Harmony's channel markers are special tokens: the parser must see them in the text.
+        plan.keep_special_tokens = _markers_are_special(ctx, plan.reasoning_parser.special_markers)
     if not body.tools:
         if body.tool_choice is not None:
             raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
@@ -199,7 +207,8 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
         name = _auto_parser_name(ctx, body.chat_template)
         parser_cls = get_tool_parser(name)
         plan.make_tool_parser = parser_cls
-        plan.keep_special_tokens = _markers_are_special(ctx, parser_cls.special_markers)
+        plan.keep_special_tokens |= _markers_are_special(ctx, parser_cls.special_markers)
+        plan.stop_token_ids = _special_token_ids(ctx, parser_cls.stop_markers)
         return plan
     if choice == "required":
         schema = required_schema(functions, parallel)
@@ -223,6 +232,7 @@ def plan_chat_tools(body: ChatCompletionRequest, ctx: ServerContext) -> ChatTool
     # The grammar makes the output JSON from its first token: there is no reasoning to split off, and
     # a prompt that opened <think> must not turn the call into reasoning.
     plan.reasoning_parser = None
+    plan.keep_special_tokens = False
     return plan
 
 
@@ -248,6 +258,14 @@ def _markers_are_special(ctx: ServerContext, markers: tuple[str, ...]) -> bool:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     special |= {str(token) for token in added.values() if getattr(token, "special", False)}
     return any(marker in special for marker in markers)
+
+
+def _special_token_ids(ctx: ServerContext, markers: tuple[str, ...]) -> list[int]:
+    """The ids of those ``markers`` that are single special tokens of the model's tokenizer."""
+    tokenizer = ctx.engine.tokenizer
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {str(token): token_id for token_id, token in added.items() if getattr(token, "special", False)}
+    return [special[marker] for marker in markers if marker in special]
 
 
 def _eos_texts(ctx: ServerContext) -> dict[int, str]:

@@ -22,6 +22,7 @@ from tokenmill.frontend.tool_parsers.base import (
     new_call_id,
 )
 from tokenmill.frontend.tool_parsers.enforced import NamedToolParser, RequiredToolParser
+from tokenmill.frontend.tool_parsers.harmony import HarmonyToolParser
 from tokenmill.frontend.tool_parsers.hermes import HermesToolParser
 from tokenmill.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenmill.frontend.tool_parsers.mistral import MistralToolParser
@@ -31,6 +32,7 @@ __all__ = [
     "ContentText",
     "Event",
     "ExtractedToolCalls",
+    "HarmonyToolParser",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
@@ -51,6 +53,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": HarmonyToolParser,  # vLLM's name for gpt-oss's harmony calls
+    "gpt_oss": HarmonyToolParser,
 }
 
 # Markup a chat template writes when it teaches the model a format, checked in this order.
@@ -58,11 +62,13 @@ _TEMPLATE_MARKERS = (
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("<|python_tag|>", "llama3_json"),
+    ("<|channel|>", "openai"),  # harmony (gpt-oss)
 )
 _ARCHITECTURES = {
     "Qwen2ForCausalLM": "hermes",
     "Qwen3ForCausalLM": "hermes",
     "MistralForCausalLM": "mistral",
+    "GptOssForCausalLM": "openai",
 }
 
 

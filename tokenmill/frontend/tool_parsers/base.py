@@ -143,6 +143,9 @@ class ToolParser(ABC):
 
     name: ClassVar[str]
     special_markers: ClassVar[tuple[str, ...]] = ()
+    # Markers after which the model waits for the tool's result (harmony's ``<|call|>``): the serving
+    # layer stops generation at them when they are single tokens.
+    stop_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._events: list[Event] = []

@@ -36,7 +36,10 @@ class AttentionBackend(ABC):
 
     Contract: ``forward`` first stores this step's keys and values at ``metadata.slot_mapping``, then
     every query attends to its own sequence's cached tokens up to its own position (within the
-    metadata's sliding window, if any). Every backend is tested against ``TorchReferenceBackend``.
+    metadata's sliding window, if any). With ``sinks`` (gpt-oss's attention sinks: one learned logit
+    per query head), each head's softmax denominator also counts ``exp(sinks[h])``, a key that has no
+    value; a backend whose kernels lack sinks attends such layers through the reference's code, never
+    ignoring them. Every backend is tested against ``TorchReferenceBackend``.
     """
 
     name: ClassVar[str]
@@ -67,5 +70,6 @@ class AttentionBackend(ABC):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]: per-head sink logits, or None
     ) -> torch.Tensor:
         """The attention output ``[num_tokens, num_heads, head_dim]`` (see the class contract)."""

@@ -14,12 +14,13 @@ tokens), in bfloat16 or float16, runs every row through the decode kernel as a d
 cost more than the attention itself. Longer chunks keep the reference's gather + SDPA.
 
 Float32 rows over a 16-bit cache (``--kv-cache-dtype``) take the same kernels (``kernels_read``);
-other mixes of row and cache dtypes go through the reference.
+other mixes of row and cache dtypes go through the reference. Attention sinks (gpt-oss) are in the
+decode kernel only: prompt chunks of such layers attend through the reference's code.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,17 +81,23 @@ class CpuPagedBackend(TorchReferenceBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         """A step of decodes only (one group covering every row in order) returns the kernel's output
         itself instead of copying it into a new tensor; so does a step whose prompt chunks are all
-        short (every row a decode of its own); anything else goes group by group."""
+        short (every row a decode of its own); anything else goes group by group. With ``sinks``
+        (gpt-oss), decode groups take the decode kernel, which has them; the prefill kernel has not,
+        so prompt chunks attend through the reference's code then."""
         rows = self.kernel_rows(metadata, query.shape[0], query.dtype, kv_cache)
         if rows is None:
-            return super().forward(query, key, value, kv_cache, metadata)
+            return super().forward(query, key, value, kv_cache, metadata, sinks)
         block_tables, seq_lens, window = rows
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
+        with_sinks: dict[str, Any] = (
+            {} if sinks is None else {"sinks": sinks}
+        )  # a stand-in kernel may lack it
         return paged_attention_decode(
-            query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window
+            query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, window, **with_sinks
         )  # [num_tokens, num_heads, head_dim]
 
     def _decode(
@@ -98,8 +105,12 @@ class CpuPagedBackend(TorchReferenceBackend):
         query: torch.Tensor,  # [S, num_heads, head_dim]: one row per sequence of the group, in order
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         group: AttentionGroup,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         assert group.block_tables is not None and group.seq_lens is not None
+        with_sinks: dict[str, Any] = (
+            {} if sinks is None else {"sinks": sinks}
+        )  # a stand-in kernel may lack it
         return paged_attention_decode(
             query,
             kv_cache[0],
@@ -108,7 +119,22 @@ class CpuPagedBackend(TorchReferenceBackend):
             group.seq_lens,
             self.scale,
             group.sliding_window,
+            **with_sinks,
         )  # [S, num_heads, head_dim]
+
+    def _attend_group_with_sinks(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        sinks: torch.Tensor,  # [num_heads]
+    ) -> None:
+        """A decode group through the decode kernel with the sinks; prompt chunks through the reference."""
+        if not self._kernel_handles(query.dtype, kv_cache, group):
+            super()._attend_group_with_sinks(query, kv_cache, group, out, sinks)
+            return
+        self._attend_decodes(query, kv_cache, group, out, sinks)
 
     def _attend_group(
         self,
@@ -132,11 +158,22 @@ class CpuPagedBackend(TorchReferenceBackend):
         if not self._kernel_handles(query.dtype, kv_cache, group):
             super()._attend_group(query, kv_cache, group, out)
             return
+        self._attend_decodes(query, kv_cache, group, out)
+
+    def _attend_decodes(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        sinks: torch.Tensor | None = None,  # [num_heads]
+    ) -> None:
+        """A decode group (one row per sequence) through the decode kernel."""
         assert group.block_tables is not None and group.seq_lens is not None
         rows = group.valid_rows  # [S]: a decode group has one valid row per sequence
         first, num_seqs = group.first_row, group.block_tables.shape[0]
         selected = query.index_select(0, rows) if first is None else query[first : first + num_seqs]
-        attended = self._decode(selected, kv_cache, group)  # [S, num_heads, head_dim]
+        attended = self._decode(selected, kv_cache, group, sinks)  # [S, num_heads, head_dim]
         if first is None:
             out.index_copy_(0, rows, attended)
         else:

@@ -39,15 +39,16 @@ class DeterministicBackend(TorchReferenceBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
         tables, lengths = metadata.rows_as_decodes()  # [T, max_blocks], [T]
         window = metadata.groups[0].sliding_window if metadata.groups else None
         if self._kernel_takes(query, kv_cache):
             return paged_attention_decode(
-                query, kv_cache[0], kv_cache[1], tables, lengths, self.scale, window, tiles=False
+                query, kv_cache[0], kv_cache[1], tables, lengths, self.scale, window, tiles=False, sinks=sinks
             )  # [num_tokens, num_heads, head_dim]
-        return self._attend_rows(query, kv_cache, tables, lengths, window)
+        return self._attend_rows(query, kv_cache, tables, lengths, window, sinks)
 
     def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
@@ -65,8 +66,9 @@ class DeterministicBackend(TorchReferenceBackend):
         tables: torch.Tensor,  # [num_tokens, max_blocks]
         lengths: torch.Tensor,  # [num_tokens]
         window: int | None,
+        sinks: torch.Tensor | None,  # [num_heads]
     ) -> torch.Tensor:
-        """The reference: one row at a time, in float32, over exactly its keys."""
+        """The reference: one row at a time, in float32, over exactly its keys (and the sinks)."""
         block_size = kv_cache.shape[2]
         group = self.num_heads // self.num_kv_heads
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
@@ -80,6 +82,8 @@ class DeterministicBackend(TorchReferenceBackend):
             keys = key_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [n, H, D]
             values = value_cache.index_select(0, slots).float().repeat_interleave(group, dim=1)
             scores = (keys * query[row].float()).sum(-1) * self.scale  # [n, num_heads]
-            probs = torch.softmax(scores, dim=0)  # [n, num_heads]
+            if sinks is not None:  # a sink's logit joins each head's denominator, with no value
+                scores = torch.cat([scores, sinks.float()[None, :]])  # [n + 1, num_heads]
+            probs = torch.softmax(scores, dim=0)[: keys.shape[0]]  # [n, num_heads]
             out[row] = (probs.unsqueeze(-1) * values).sum(0).to(out.dtype)  # [num_heads, head_dim]
         return out

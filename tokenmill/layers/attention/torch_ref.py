@@ -61,11 +61,15 @@ class TorchReferenceBackend(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:
         self._store_kv(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         for group in metadata.groups:
-            self._attend_group(query, kv_cache, group, out)
+            if sinks is None:
+                self._attend_group(query, kv_cache, group, out)
+            else:
+                self._attend_group_with_sinks(query, kv_cache, group, out, sinks)
         return out
 
     def _store_kv(
@@ -149,6 +153,64 @@ class TorchReferenceBackend(AttentionBackend):
                     q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
                 )  # [1, H, n, D]
             out[row : row + num_new] = attended[0].transpose(0, 1)  # [n, H, D]
+
+    def _attend_group_with_sinks(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        group: AttentionGroup,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        sinks: torch.Tensor,  # [num_heads]
+    ) -> None:
+        """The group's attention with a sink logit per head in every softmax denominator, computed
+        eagerly as transformers' gpt-oss does (SDPA has no sinks). Groups of long chunks attend one
+        sequence at a time over exactly its keys, so the score matrix never spans the padded batch."""
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, kv_heads, head_dim]
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        mask = group.additive_mask(torch.float32)  # [S, 1, Q, K]
+        if group.spans is not None and group.num_queries >= PER_SEQUENCE_MIN_QUERIES:
+            for s, (row, start, num_new) in enumerate(group.spans):
+                slots = group.kv_slots[s, : start + num_new]  # [K]
+                q = query[row : row + num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+                k = key_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, K, D]
+                v = value_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, K, D]
+                seq_mask = mask[s : s + 1, :, :num_new, : start + num_new]  # [1, 1, n, K]
+                attended = self._eager_with_sinks(q, k, v, seq_mask, sinks)  # [1, H, n, D]
+                out[row : row + num_new] = attended[0].transpose(0, 1).to(out.dtype)
+            return
+        num_seqs, num_queries = group.query_rows.shape
+        num_keys = group.kv_slots.shape[1]
+        q = query.index_select(0, group.query_rows.view(-1))  # [S*Q, num_heads, head_dim]
+        q = q.view(num_seqs, num_queries, self.num_heads, self.head_dim).transpose(1, 2)  # [S, H, Q, D]
+        flat_slots = group.kv_slots.view(-1)  # [S*K]
+        shape = (num_seqs, num_keys, self.num_kv_heads, self.head_dim)
+        k = key_cache.index_select(0, flat_slots).view(shape).transpose(1, 2)  # [S, kv_heads, K, D]
+        v = value_cache.index_select(0, flat_slots).view(shape).transpose(1, 2)  # [S, kv_heads, K, D]
+        attended = self._eager_with_sinks(q, k, v, mask, sinks)  # [S, H, Q, D]
+        attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # [S*Q, H, D]
+        if num_queries > 1:
+            attended = attended.index_select(0, group.valid_index)
+        out.index_copy_(0, group.valid_rows, attended.to(out.dtype))
+
+    def _eager_with_sinks(
+        self,
+        q: torch.Tensor,  # [S, num_heads, Q, head_dim]
+        k: torch.Tensor,  # [S, kv_heads, K, head_dim]
+        v: torch.Tensor,  # [S, kv_heads, K, head_dim]
+        mask: torch.Tensor,  # [S, 1, Q, K] float32, 0 or -inf
+        sinks: torch.Tensor,  # [num_heads]
+    ) -> torch.Tensor:
+        """``softmax([scores, sink])`` without the sink's column, times the values: ``[S, H, Q, D]``.
+        The softmax runs in float32; a fully masked (padding) row keeps only the sink, so no NaN."""
+        repeats = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(repeats, dim=1).to(q.dtype)  # [S, H, K, D]
+        v = v.repeat_interleave(repeats, dim=1).to(q.dtype)  # [S, H, K, D]
+        scores = torch.matmul(q, k.transpose(2, 3)).float() * self.scale + mask  # [S, H, Q, K]
+        sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)  # [S, H, Q, 1]
+        combined = torch.cat([scores, sink], dim=-1)  # [S, H, Q, K + 1]
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]  # [S, H, Q, K]
+        return torch.matmul(probs.to(v.dtype), v)  # [S, H, Q, D]
 
 
 def build_group(

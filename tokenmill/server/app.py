@@ -176,7 +176,7 @@ def build_app(
     settings: ServerSettings,
     config: EngineConfig,
     source: ModelSource | None = None,
-    spawned: EngineProcessHandle | None = None,
+    spawned: EngineProcessHandle | list[EngineProcessHandle] | None = None,
 ) -> FastAPI:
     """An app that starts the engine process in its lifespan (or attaches to ``spawned``, started
     earlier for ``config``: see ``AsyncLLM.start``) and stops it on shutdown."""

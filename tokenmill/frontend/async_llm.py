@@ -164,6 +164,8 @@ class AsyncLLM:
 
         self.kv_cache_bytes = ready.kv_cache_bytes  # the KV pool: num_blocks × block_size tokens
         self.engine_pid = ready.pid
+        # Every engine process: one, or one per data-parallel replica.
+        self.engine_pids = client.pids if isinstance(client, DPClient) else [ready.pid]
         self.log_requests = log_requests
         self.input_processor = InputProcessor(tokenizer, source.hf_config, ready.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)

@@ -158,6 +158,7 @@ async def admin_engine(ctx: Context) -> dict[str, Any]:
     engine = ctx.engine
     return {
         "pid": engine.engine_pid,
+        "pids": engine.engine_pids,  # one per data-parallel replica
         "alive": engine.is_alive,
         "dead_reason": engine.dead_reason,
         "max_model_len": engine.max_model_len,

@@ -17,7 +17,12 @@ _REPLICA_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("dp_replica_dispatched", "counter", "Request groups sent to the replica.", "dispatched"),
     ("dp_replica_num_requests_running", "gauge", "Sequences running in the replica.", "num_running"),
     ("dp_replica_num_requests_waiting", "gauge", "Sequences waiting in the replica.", "num_waiting"),
-    ("dp_replica_kv_cache_usage_perc", "gauge", "Fraction of the replica's KV blocks in use.", "kv_cache_usage"),
+    (
+        "dp_replica_kv_cache_usage_perc",
+        "gauge",
+        "Fraction of the replica's KV blocks in use.",
+        "kv_cache_usage",
+    ),
     (
         "dp_replica_prefix_cache_queries",
         "counter",

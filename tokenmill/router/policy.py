@@ -6,9 +6,10 @@ the HTTP router) serves the next request.
 - ``cache_aware`` (default): the replica holding the longest prefix of the prompt in its
   ``ReplicaPrefixes`` index, unless the loads are imbalanced, i.e. the busiest and the idlest replica
   differ by more than ``balance_abs`` requests *and* the busiest has more than ``balance_rel`` times
-  the idlest's load: then the least loaded one. Ties on the prefix (several replicas hold as much,
-  or none holds anything) go to the least loaded of them, then to the one whose index holds least
-  (the most room for a new prefix), then in turn.
+  the idlest's load: then the least loaded one. Ties on the prefix go to the least loaded of them,
+  then to the one whose index holds least, then in turn. A prompt no replica holds any of goes to
+  the replica whose index holds least (its cache has the most room for a new prefix), then the
+  least loaded, then in turn: new prefixes spread evenly over the caches.
 
 Loads are the caller's count of requests it sent to a replica and that have not ended; the caller
 reports each dispatch (``on_dispatch``) and each end (``on_finish``). Replicas are named by strings
@@ -34,8 +35,8 @@ DEFAULT_BALANCE_REL = 1.5
 @dataclass(frozen=True)
 class Decision:
     """Where one request goes: the ``replica``, the chunks of its prompt the index believes that
-    replica holds (``matched_chunks``), and why (``prefix``, ``balance``, ``least_load``,
-    ``round_robin``)."""
+    replica holds (``matched_chunks``), and why (``prefix``, ``new_prefix``, ``balance``,
+    ``least_load``, ``round_robin``)."""
 
     replica: str
     matched_chunks: int
@@ -163,5 +164,10 @@ class DispatchPolicy:
         tied = [r for r in candidates if matched[r] == best]
         start = turn % len(tied)
         rotated = [*tied[start:], *tied[:start]]
-        replica = min(rotated, key=lambda r: (self.loads[r], len(self.prefixes[r])))
-        return Decision(replica, best, "prefix" if best > 0 else "least_load")
+        if best > 0:
+            replica = min(rotated, key=lambda r: (self.loads[r], len(self.prefixes[r])))
+            return Decision(replica, best, "prefix")
+        # A prefix nobody holds goes where it crowds out least: new prefixes spread evenly over the
+        # caches instead of following momentary loads (the balance rule above bounds the loads).
+        replica = min(rotated, key=lambda r: (len(self.prefixes[r]), self.loads[r]))
+        return Decision(replica, 0, "new_prefix")

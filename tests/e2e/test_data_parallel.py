@@ -62,6 +62,10 @@ def test_outputs_equal_one_engine_and_both_engines_serve(
         kv = http.get("/v1/admin/kv").json()
     assert len(engine["pids"]) == 2 and engine["pid"] == engine["pids"][0]
     assert kv["data_parallel_size"] == 2 and kv["blocks_in_use"] == 0
+    with dp_server.http() as http:
+        load = http.get("/get_load").json()
+    assert [entry["dp_rank"] for entry in load] == [0, 1]
+    assert all(entry["num_reqs"] == 0 and entry["num_tokens"] == 0 for entry in load)
 
 
 def test_same_prefix_requests_stick_to_one_engine(dp_server: ServerProcess) -> None:

@@ -26,7 +26,7 @@ SYSTEM = "You are a careful assistant who answers in one short sentence. " * 3
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir: str) -> Iterator[ServerProcess]:
     args = [*TINY_ARGS, "--served-model-name", "tiny", "--data-parallel-size", "2"]
-    server = ServerProcess(tiny_model_dir, [*args, "--engine-death-exit-delay", "1"])
+    server = ServerProcess(tiny_model_dir, [*args, "--engine-death-exit-delay", "5"])
     yield server
     server.stop()
 

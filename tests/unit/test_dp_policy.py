@@ -130,3 +130,27 @@ def test_membership_changes_and_bad_arguments() -> None:
         DispatchPolicy("random")
     with pytest.raises(ValueError, match="balance_rel must be >= 1.0"):
         DispatchPolicy("cache_aware", balance_rel=0.5)
+
+
+def test_the_router_keys_requests_on_their_text() -> None:
+    from tokenmill.router.app import CHARS_PER_CHUNK, prompt_key
+
+    system = {"role": "system", "content": "You are a helpful assistant who answers briefly. " * 2}
+    first = prompt_key(
+        "/v1/chat/completions", {"model": "m", "messages": [system, {"role": "user", "content": "a"}]}
+    )
+    second = prompt_key(
+        "/v1/chat/completions", {"model": "m", "messages": [system, {"role": "user", "content": "b"}]}
+    )
+    shared = sum(1 for a, b in zip(first.hashes, second.hashes, strict=False) if a == b)
+    assert shared >= len(system["content"]) // CHARS_PER_CHUNK  # the system message's chunks are shared
+    assert first.hashes != second.hashes
+    other_model = prompt_key("/v1/chat/completions", {"model": "n", "messages": [system]})
+    assert other_model.hashes[0] != first.hashes[0]
+    text = "x" * 40
+    assert (
+        prompt_key("/v1/completions", {"prompt": text}).hashes
+        == prompt_key("/v1/completions", {"prompt": [text]}).hashes
+    )
+    assert len(prompt_key("/generate", {"input_ids": list(range(40))}).hashes) == 40 // CHARS_PER_CHUNK
+    assert prompt_key("/v1/completions", {"prompt": 5}).hashes == []  # not a prompt: no key, least loaded

@@ -1,4 +1,4 @@
-"""Command line: ``tokenmill serve | generate | chat | bench``."""
+"""Command line: ``tokenmill serve | generate | chat | bench | router``."""
 
 from __future__ import annotations
 
@@ -66,6 +66,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from tokenmill.router.cli import run_router
+
+    return run_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
     parser.add_argument("--log-level", default="INFO")
@@ -95,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark clients")
     add_bench_args(bench)
+
+    from tokenmill.router.cli import add_router_args
+
+    router = sub.add_parser("router", help="HTTP router in front of several `tokenmill serve` workers")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
     return parser
 
 

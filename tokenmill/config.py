@@ -379,6 +379,37 @@ class SpeculativeConfig:
             raise ValueError(f"draft_confidence must be within [0, 1], got {self.draft_confidence}")
 
 
+# How a data-parallel server picks the engine for a request (``router/policy.py``).
+DP_POLICIES = ("cache_aware", "round_robin", "least_load")
+
+
+@dataclass
+class DataParallelConfig:
+    """Data parallelism: ``data_parallel_size`` engine processes behind one server
+    (``core/dp_client.py``), each with its own copy of the weights and its own KV cache (a
+    ``kv_cache_memory`` fraction, and the default ``kv_cache_memory_fraction``, are shared out between
+    them; bytes and ``num_blocks`` are per engine). ``dp_policy`` picks an engine per request
+    (``cache_aware``: the longest prefix the engine is believed to cache, unless the in-flight loads
+    differ by more than ``dp_balance_abs`` requests and by more than ``dp_balance_rel`` times: then
+    the least loaded).
+    """
+
+    data_parallel_size: int = 1
+    dp_policy: str = "cache_aware"
+    dp_balance_abs: int = 8
+    dp_balance_rel: float = 1.5
+
+    def validate(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.dp_policy not in DP_POLICIES:
+            raise ValueError(f"dp_policy must be one of {', '.join(DP_POLICIES)}, got {self.dp_policy!r}")
+        if self.dp_balance_abs < 0:
+            raise ValueError(f"dp_balance_abs must be >= 0, got {self.dp_balance_abs}")
+        if self.dp_balance_rel < 1.0:
+            raise ValueError(f"dp_balance_rel must be >= 1.0, got {self.dp_balance_rel}")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine core needs at start-up.
@@ -396,6 +427,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     num_threads: int | None = None
     jump_forward: bool = True
     engine_niceness: int = 0
@@ -440,6 +472,7 @@ class EngineConfig:
         self._validate_logprobs()
         self._validate_deterministic()
         self.lora.validate()
+        self.data_parallel.validate()
         if self.speculative_config is not None:
             self.speculative_config.validate()
             if self.lora.enable_lora:
@@ -498,6 +531,7 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         "cache": CacheConfig,
         "scheduler": SchedulerConfig,
         "lora": LoRAConfig,
+        "data_parallel": DataParallelConfig,
     }
     values: dict[str, dict[str, Any]] = {name: {} for name in sections}
     engine_kwargs: dict[str, Any] = {}
@@ -518,5 +552,6 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         cache=CacheConfig(**values["cache"]),
         scheduler=SchedulerConfig(**values["scheduler"]),
         lora=LoRAConfig(**values["lora"]),
+        data_parallel=DataParallelConfig(**values["data_parallel"]),
         **engine_kwargs,
     )

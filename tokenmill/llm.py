@@ -49,6 +49,11 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         config = build_engine_config(model, **kwargs)
+        if config.data_parallel.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 needs `tokenmill serve` (several engine processes behind one "
+                "server); LLM runs one engine in this process"
+            )
         source = resolve_model(model)
         self.engine = EngineCore(config, source)
         self.client = InProcClient(self.engine)

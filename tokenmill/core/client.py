@@ -6,6 +6,8 @@
   never suspend, so synchronous code drives them with ``complete_now`` and needs no event loop.
 - ``ZmqClient`` (``core/zmq_client.py``) speaks ``tokenmill.protocol`` messages to an engine process
   (``core/engine_proc.py``) over ZMQ; the server's ``AsyncLLM`` uses it.
+- ``DPClient`` (``core/dp_client.py``) spreads request groups over several ``ZmqClient``s (data
+  parallelism) with a dispatch policy and fans utility calls out.
 
 Both end in the same engine-core functions: admission is ``EngineCore.add_request_group`` (all or
 none, ``overloaded`` when a waiting queue is full), aborts are ``EngineCore.abort_requests`` and
@@ -23,6 +25,7 @@ import os
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from tokenmill.core.dp_spawn import spawn_engines, stop_engines
 from tokenmill.core.engine_proc import (
     EngineProcessHandle,
     freeze_startup_objects,
@@ -45,7 +48,9 @@ __all__ = [
     "freeze_startup_objects",
     "make_socket_dir",
     "spawn_engine_process",
+    "spawn_engines",
     "stop_engine_process",
+    "stop_engines",
 ]
 
 T = TypeVar("T")

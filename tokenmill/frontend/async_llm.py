@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.client import EngineCoreClient, EngineDeadError
+from tokenmill.core.dp_client import DPClient, DPLaunch, ReplicaStats
 from tokenmill.core.engine_proc import EngineProcessHandle
 from tokenmill.core.zmq_client import EngineLaunch
 from tokenmill.frontend.output_processor import OutputProcessor, RequestState
@@ -163,6 +164,8 @@ class AsyncLLM:
 
         self.kv_cache_bytes = ready.kv_cache_bytes  # the KV pool: num_blocks × block_size tokens
         self.engine_pid = ready.pid
+        # Every engine process: one, or one per data-parallel replica.
+        self.engine_pids = client.pids if isinstance(client, DPClient) else [ready.pid]
         self.log_requests = log_requests
         self.input_processor = InputProcessor(tokenizer, source.hf_config, ready.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
@@ -202,16 +205,23 @@ class AsyncLLM:
         log_requests: bool = False,
         log_level: str = "INFO",
         start_timeout: float = 600.0,
-        spawned: EngineProcessHandle | None = None,
+        spawned: EngineProcessHandle | Sequence[EngineProcessHandle] | None = None,
     ) -> AsyncLLM:
         """Spawn the engine process (or take ``spawned``, one already started for ``config`` by
         ``spawn_engine_process`` in its own ``make_socket_dir()`` folder) and wait until it has loaded
-        the model; meanwhile resolve ``source`` (when None) and load the tokenizer.
+        the model; meanwhile resolve ``source`` (when None) and load the tokenizer. With
+        ``data_parallel_size`` N > 1 it runs N engine processes behind a ``DPClient``
+        (``spawned``: the N handles ``spawn_engines`` started).
 
         Raises RuntimeError with the engine's own message if it fails to start, exits early or
         takes longer than ``start_timeout`` seconds; the process is cleaned up in every case.
         """
-        launch = EngineLaunch.begin(config, log_level=log_level, spawned=spawned)
+        handles = [spawned] if isinstance(spawned, EngineProcessHandle) else spawned
+        launch: EngineLaunch | DPLaunch
+        if config.data_parallel.data_parallel_size > 1:
+            launch = DPLaunch.begin(config, log_level=log_level, spawned=handles)
+        else:
+            launch = EngineLaunch.begin(config, log_level=log_level, spawned=handles[0] if handles else None)
         try:
             # The engine loads the model meanwhile: resolving the model (its config) and loading the
             # tokenizer here overlap with it.
@@ -249,6 +259,11 @@ class AsyncLLM:
         """The version of the weights the engine serves (``"default"`` until weights are updated):
         the latest of an update's answer and the version the engine's last tokens carried."""
         return self._weight_version
+
+    @property
+    def replica_stats(self) -> list[ReplicaStats]:
+        """Each data-parallel engine's numbers (``DPClient.replica_stats``); empty with one engine."""
+        return self._client.replica_stats() if isinstance(self._client, DPClient) else []
 
     @property
     def request_ids(self) -> list[str]:

@@ -158,6 +158,7 @@ async def admin_engine(ctx: Context) -> dict[str, Any]:
     engine = ctx.engine
     return {
         "pid": engine.engine_pid,
+        "pids": engine.engine_pids,  # one per data-parallel replica
         "alive": engine.is_alive,
         "dead_reason": engine.dead_reason,
         "max_model_len": engine.max_model_len,
@@ -176,7 +177,7 @@ def build_app(
     settings: ServerSettings,
     config: EngineConfig,
     source: ModelSource | None = None,
-    spawned: EngineProcessHandle | None = None,
+    spawned: EngineProcessHandle | list[EngineProcessHandle] | None = None,
 ) -> FastAPI:
     """An app that starts the engine process in its lifespan (or attaches to ``spawned``, started
     earlier for ``config``: see ``AsyncLLM.start``) and stops it on shutdown."""

@@ -12,15 +12,14 @@ import asyncio
 import contextlib
 import logging
 import math
-import shutil
 import socket
 import sys
 from typing import TYPE_CHECKING
 
 import uvicorn
 
-from tokenmill.config import EngineConfig, build_engine_config
-from tokenmill.core.client import make_socket_dir, spawn_engine_process, stop_engine_process
+from tokenmill.config import DP_POLICIES, EngineConfig, build_engine_config
+from tokenmill.core.client import spawn_engines, stop_engines
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
 from tokenmill.frontend.tool_parsers import TOOL_PARSERS
@@ -121,11 +120,53 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "reasoning_content (default: reasoning stays in the content)",
     )
     add_engine_args(parser)
+    add_data_parallel_args(parser)
+
+
+def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Data parallelism: several engine processes behind this server (``core/dp_client.py``)."""
+    dp = parser.add_argument_group("data parallelism")
+    dp.add_argument(
+        "--data-parallel-size",
+        "--dp-size",
+        type=int,
+        default=1,
+        help="engine processes (replicas, each with the whole model and its own KV cache) behind this server; "
+        "on a CPU each gets an equal share of the cores unless --num-threads says otherwise",
+    )
+    dp.add_argument(
+        "--dp-policy",
+        default="cache_aware",
+        choices=DP_POLICIES,
+        help="which replica serves a request: the one believed to cache the longest prefix of its prompt "
+        "(cache_aware), the next in turn (round_robin) or the one with the fewest requests (least_load)",
+    )
+    dp.add_argument(
+        "--dp-balance-abs",
+        type=int,
+        default=8,
+        help="cache_aware: go to the least loaded replica instead when the loads differ by more than this "
+        "many requests (and by --dp-balance-rel)",
+    )
+    dp.add_argument(
+        "--dp-balance-rel",
+        type=float,
+        default=1.5,
+        help="cache_aware: ... and the busiest replica has more than this many times the idlest's requests",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = args.served_model_name or [args.model]
-    return build_engine_config(args.model, served_model_name=names[0], **engine_kwargs(args))
+    return build_engine_config(
+        args.model,
+        served_model_name=names[0],
+        data_parallel_size=args.data_parallel_size,
+        dp_policy=args.dp_policy,
+        dp_balance_abs=args.dp_balance_abs,
+        dp_balance_rel=args.dp_balance_rel,
+        **engine_kwargs(args),
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -197,17 +238,16 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit(f"tokenmill serve: {exc}")
     # The engine process starts loading now, while this process imports the server (FastAPI,
     # transformers, torch: seconds), resolves the model and starts uvicorn: the app attaches to it.
-    engine = spawn_engine_process(config, make_socket_dir(), settings.log_level.upper())
+    engines = spawn_engines(config, settings.log_level.upper())  # data_parallel_size of them
     from tokenmill.loader import resolve_model
     from tokenmill.server.app import build_app
 
     try:
         source = resolve_model(args.model)
     except ValueError as exc:
-        stop_engine_process(engine.process)
-        shutil.rmtree(engine.socket_dir, ignore_errors=True)
+        stop_engines(engines)
         sys.exit(f"tokenmill serve: {exc}")
-    app = build_app(settings, config, source, spawned=engine)
+    app = build_app(settings, config, source, spawned=engines)
     uvicorn_config = uvicorn.Config(
         app,
         host=settings.host,

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenmill.frontend.async_llm import AsyncLLM, FinishedRequestStats
+from tokenmill.server.dp_metrics import replica_metrics
 from tokenmill.server.live_metrics import LatencyWindow
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -129,6 +130,7 @@ class _EngineCollector:
         for reason, count in sorted(stats.finished_requests.items()):
             finished.add_metric([*self.labels, reason], count)
         yield finished
+        yield from replica_metrics(self.engine, self.labels[0])
 
 
 class ServerMetrics:

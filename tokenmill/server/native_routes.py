@@ -116,6 +116,18 @@ async def get_load(ctx: Context) -> list[dict[str, int]]:
         kv = await ctx.engine.kv_stats()
     except EngineDeadError as exc:
         raise _unavailable(f"the engine is not available: {exc}") from None
+    replicas = ctx.engine.replica_stats
+    if replicas:  # data parallelism: each engine's latest gauges
+        tokens_each = ctx.engine.num_blocks * ctx.engine.block_size // len(replicas)
+        return [
+            {
+                "dp_rank": rank,
+                "num_reqs": r.num_running + r.num_waiting,
+                "num_waiting_reqs": r.num_waiting,
+                "num_tokens": round(r.kv_cache_usage * tokens_each),
+            }
+            for rank, r in enumerate(replicas)
+        ]
     return [
         {
             "dp_rank": 0,

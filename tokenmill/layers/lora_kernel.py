@@ -69,7 +69,7 @@ def load_error() -> str | None:
 @functools.cache
 def build_variant(library: str, flags: tuple[str, ...]) -> str | None:
     """Builds the kernel again as op library ``torch.ops.<library>`` with extra compiler ``flags``
-    (e.g. ``-DTOKENMILL_NO_AVX512``); None when loaded, else why not. For tests."""
+    (e.g. ``-mno-avx512f``: the AVX2 code, as a CPU without AVX-512 runs it); None when loaded, else why not. For tests."""
     return _build(f"{NAME}_{library}", (*flags, f"-DTOKENMILL_LORA_LIBRARY={library}"))
 
 

@@ -23,7 +23,9 @@ def lora_smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 
     folder, name = smollm2_gguf()
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    adapter = make_adapter(hf, str(tmp_path_factory.mktemp("smol-tools-lora")), "tuned", seed=9, rank=16, scale=0.3)
+    adapter = make_adapter(
+        hf, str(tmp_path_factory.mktemp("smol-tools-lora")), "tuned", seed=9, rank=16, scale=0.3
+    )
     args = ["--log-level", "warning", "--max-model-len", "1024", "--num-threads", "1", "--policy", "vtc"]
     args += ["--enable-lora", "--lora-modules", f"tuned={adapter.path}", "--max-lora-rank", "16"]
     server = ServerProcess("smollm2-135m", args)

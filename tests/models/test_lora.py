@@ -177,9 +177,18 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
             x = torch.randn(batch.num_tokens, layer.in_features).to(dtype)
             base_out = torch.randn(batch.num_tokens, layer.out_features).to(dtype)
             ref, fast = base_out.clone(), base_out.clone()
-            lora_delta_reference(ref, x, layer.lora_a, layer.lora_bt, layer.ranks, batch.segments, layer.pieces)
+            lora_delta_reference(
+                ref, x, layer.lora_a, layer.lora_bt, layer.ranks, batch.segments, layer.pieces
+            )
             lora_kernel.lora_delta(
-                fast, x, layer.lora_a, layer.lora_bt, layer.ranks_tensor, batch.row_slots, layer.piece_offsets, **kwargs
+                fast,
+                x,
+                layer.lora_a,
+                layer.lora_bt,
+                layer.ranks_tensor,
+                batch.row_slots,
+                layer.piece_offsets,
+                **kwargs,
             )
             tol = 1e-4 if dtype == torch.float32 else 0.1
             torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=tol)

@@ -35,6 +35,7 @@ from torch import nn
 from tokenmill.layers import lora_kernel
 from tokenmill.layers.linear import LinearBase, MergedColumnLinear
 
+
 @dataclass
 class LoRABatch:
     """Which adapter slot each row of a step uses.

@@ -475,8 +475,6 @@ class EngineConfig:
         self.data_parallel.validate()
         if self.speculative_config is not None:
             self.speculative_config.validate()
-            if self.lora.enable_lora:
-                raise ValueError("speculative decoding cannot be combined with LoRA yet")
             if self.deterministic:
                 raise ValueError("deterministic mode cannot be combined with speculative decoding yet")
         mem = self.cache.kv_cache_memory

@@ -140,40 +140,64 @@ def test_prefix_cache_is_namespaced_by_adapter(setup) -> None:  # type: ignore[n
     assert output.num_cached_tokens > 0
 
 
+@pytest.mark.parametrize("library", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_and_reference_agree(dtype: torch.dtype) -> None:
+def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
     """The C++ segmented kernel and the torch reference give the same deltas, rows of several slots
-    (one of rank 0 in this layer) and of the base mixed in one batch, on a merged and a plain layer."""
+    (one of rank 0 in this layer) and of the base mixed in one batch, on a merged and a plain layer;
+    a small batch and one whose slots span several row chunks and tiles, with feature counts that
+    are no multiple of the vector width. ``avx2``: the kernel built without AVX-512 (the code other
+    x86 CPUs run), compared on this one."""
     from tokenmill.layers import lora_kernel
     from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
     from tokenmill.layers.lora import LoRABatch, LoRALinear, LoRAStepState, lora_delta_reference
 
     assert lora_kernel.load_error() is None, lora_kernel.load_error()
-    batch = LoRABatch.build([(0, 3), (-1, 2), (2, 4), (0, 1), (3, 5), (1, 2)], torch.device("cpu"))
-    assert batch is not None
+    kwargs = {}
+    if library == "avx2":
+        assert lora_kernel.build_variant("tokenmill_lora_avx2", ("-mno-avx512f",)) is None
+        kwargs["library"] = "tokenmill_lora_avx2"
+    small = [(0, 3), (-1, 2), (2, 4), (0, 1), (3, 5), (1, 2)]
+    large = [(1, 37), (0, 70), (-1, 5), (3, 3), (1, 2), (2, 6)]
     torch.manual_seed(0)
-    bases = [
-        MergedColumnLinear(64, {"q": 64, "k": 32, "v": 32}, dtype=dtype),
-        RowParallelLinear(128, 64, dtype=dtype),
-    ]
-    for base in bases:
-        layer = LoRALinear(base, LoRAStepState(), max_loras=4, max_rank=16)
-        for slot, rank in enumerate((4, 16, 0, 8)):
-            a = torch.randn(len(layer.pieces) * rank, layer.in_features).to(dtype)
-            bt = torch.randn(rank, layer.out_features).to(dtype)
-            layer.set_slot(slot, rank, a, bt)
-        x = torch.randn(batch.num_tokens, layer.in_features).to(dtype)
-        base_out = torch.randn(batch.num_tokens, layer.out_features).to(dtype)
-        ref, fast = base_out.clone(), base_out.clone()
-        lora_delta_reference(ref, x, layer.lora_a, layer.lora_bt, layer.ranks, batch.segments, layer.pieces)
-        lora_kernel.lora_delta(
-            fast, x, layer.lora_a, layer.lora_bt, layer.ranks_tensor, batch.row_slots, layer.piece_offsets
-        )
-        tol = 1e-4 if dtype == torch.float32 else 0.1
-        torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=tol)
-        assert torch.equal(fast[3:5], base_out[3:5]) and torch.equal(fast[3:5], ref[3:5])  # base rows
-        assert torch.equal(fast[5:9], base_out[5:9])  # slot 2 has rank 0: untouched
-        assert not torch.equal(fast[0:3], base_out[0:3])
+    for plan in (small, large):
+        batch = LoRABatch.build(plan, torch.device("cpu"))
+        assert batch is not None
+        bases = [
+            MergedColumnLinear(64, {"q": 64, "k": 32, "v": 32}, dtype=dtype),
+            MergedColumnLinear(72, {"gate": 40, "up": 24}, dtype=dtype),
+            RowParallelLinear(128, 70, dtype=dtype),
+        ]
+        for base in bases:
+            layer = LoRALinear(base, LoRAStepState(), max_loras=4, max_rank=16)
+            for slot, rank in enumerate((4, 16, 0, 5)):
+                a = torch.randn(len(layer.pieces) * rank, layer.in_features).to(dtype)
+                bt = torch.randn(rank, layer.out_features).to(dtype)
+                layer.set_slot(slot, rank, a, bt)
+            x = torch.randn(batch.num_tokens, layer.in_features).to(dtype)
+            base_out = torch.randn(batch.num_tokens, layer.out_features).to(dtype)
+            ref, fast = base_out.clone(), base_out.clone()
+            lora_delta_reference(
+                ref, x, layer.lora_a, layer.lora_bt, layer.ranks, batch.segments, layer.pieces
+            )
+            lora_kernel.lora_delta(
+                fast,
+                x,
+                layer.lora_a,
+                layer.lora_bt,
+                layer.ranks_tensor,
+                batch.row_slots,
+                layer.piece_offsets,
+                **kwargs,
+            )
+            tol = 1e-4 if dtype == torch.float32 else 0.1
+            torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=tol)
+            rows_of = [slot for slot, count in plan for _ in range(count)]
+            for row, slot in enumerate(rows_of):
+                if slot in (-1, 2):  # the base, and slot 2 (rank 0 here): untouched
+                    assert torch.equal(fast[row], base_out[row]) and torch.equal(ref[row], base_out[row])
+                else:
+                    assert not torch.equal(fast[row], base_out[row])
 
 
 def test_smollm2_adapters_match_peft(tmp_path) -> None:  # type: ignore[no-untyped-def]

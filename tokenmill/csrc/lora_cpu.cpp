@@ -4,6 +4,13 @@
 //   t = A[s][0 .. P*r) . x_i                 (shrink: P*r dot products over the input features)
 //   out_i[o] += sum_j t[p*r + j] * Bt[s][j][o] for o in piece p's columns   (expand)
 // accumulated in float32 and added to out_i once (one rounding in bfloat16). A and Bt are float32.
+//
+// Rows are grouped by slot and taken in chunks of up to kChunkRows (the work items threads share).
+// Inside a chunk both products are register-tiled over the 16-lane vectors of vec16.h (AVX-512, or
+// AVX2 halves, or plain loops: the same code for every CPU): the shrink computes a tile of TM rows x
+// kTileRanks dot products at once, so each loaded vector of A serves TM rows and each vector of x
+// serves kTileRanks ranks; the expand keeps TM rows x kExpandVecs output vectors in registers while
+// it walks the rank, so each vector of Bt serves TM rows. x is read in place (float32 or bfloat16).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -12,34 +19,132 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "vec16.h"
+
+// The op library's name; a test builds the AVX2 variant under another name beside the native one.
+#ifndef TOKENMILL_LORA_LIBRARY
+#define TOKENMILL_LORA_LIBRARY tokenmill_lora
+#endif
 
 namespace tokenmill_lora {
 namespace {
 
-constexpr int64_t kBlock = 64;  // outputs a thread sums at once in the expand (four 16-lane registers)
+namespace vec = tokenmill::vec;
+using vec::Vec;
 
-// bfloat16 <-> float by bits (round to nearest even), simple enough for the compiler to vectorize.
-inline float load_float(float v) { return v; }
-inline float load_float(c10::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline void store_float(float* dst, float v) { *dst = v; }
-inline void store_float(c10::BFloat16* dst, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  dst->x = static_cast<uint16_t>(bits >> 16);
+constexpr int64_t kChunkRows = 32;  // rows of one slot in a work item
+constexpr int kTileRanks = 4;       // shrink: ranks per tile (4 x TM accumulators)
+#if defined(TOKENMILL_AVX512)
+constexpr int kExpandVecs = 4;  // expand: output vectors per row in registers (32 zmm registers)
+#else
+constexpr int kExpandVecs = 2;  // AVX2 (16 ymm registers, two per Vec) and the portable loops
+#endif
+
+// shrunk[m][k] = A[k] . x_m for TM rows (row pointers, any T) and all `width` ranks of the slot.
+template <int TM, typename T>
+void shrink_tile(const T* const* rows, const float* a_slot, int64_t width, int64_t in_features, float* shrunk,
+                 int64_t shrunk_stride) {
+  alignas(64) float sums[vec::kLanes * vec::kLanes] = {};
+  for (int64_t k0 = 0; k0 < width; k0 += kTileRanks) {
+    const float* a_rows[kTileRanks];
+    for (int kk = 0; kk < kTileRanks; ++kk)  // past the last rank: repeat rank k0, result dropped
+      a_rows[kk] = a_slot + (k0 + kk < width ? k0 + kk : k0) * in_features;
+    Vec acc[TM][kTileRanks];
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = vec::zero();
+    for (int64_t d = 0; d < in_features; d += vec::kLanes) {
+      const int lanes = static_cast<int>(std::min<int64_t>(vec::kLanes, in_features - d));
+      Vec av[kTileRanks];
+      for (int kk = 0; kk < kTileRanks; ++kk) av[kk] = vec::load(a_rows[kk] + d, lanes);
+      for (int mm = 0; mm < TM; ++mm) {
+        const Vec xv = vec::load(rows[mm] + d, lanes);
+        for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = vec::fmadd(av[kk], xv, acc[mm][kk]);
+      }
+    }
+    // Sum each accumulator's lanes, 16 at a time (rows of `sums` past TM * kTileRanks are unused).
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks; ++kk) vec::store(sums + (mm * kTileRanks + kk) * vec::kLanes, acc[mm][kk], vec::kLanes);
+    alignas(64) float totals[vec::kLanes];
+    vec::store(totals, vec::reduce_rows(sums), vec::kLanes);
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks && k0 + kk < width; ++kk) shrunk[mm * shrunk_stride + k0 + kk] = totals[mm * kTileRanks + kk];
+  }
 }
 
-// The adapters' A and Bt are float32 (layers/lora.py keeps them so): every inner loop is a float32
-// dot product or axpy over contiguous memory, which -O3 -march=native turns into vector FMAs. Rows
-// are taken slot by slot (the segments), so each row of A and of Bt is read from memory once per
-// call and reused for all of the slot's rows from L1, instead of once per row.
+// out_m[o .. o + kBlock) += sum_j t_m[j] * Bt[j][o ..] for TM rows (lanes[v]: the valid lanes of
+// output vector v; 0 past the piece's end).
+template <int TM, typename T>
+void expand_block(T* const* outs, const float* t, int64_t t_stride, const float* bt_block, int64_t rank,
+                  int64_t out_features, const int* lanes) {
+  Vec acc[TM][kExpandVecs];
+  for (int mm = 0; mm < TM; ++mm)
+    for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = vec::zero();
+  for (int64_t j = 0; j < rank; ++j) {
+    const float* b_row = bt_block + j * out_features;
+    Vec bv[kExpandVecs];
+    for (int v = 0; v < kExpandVecs; ++v) bv[v] = vec::load(b_row + v * vec::kLanes, lanes[v]);
+    for (int mm = 0; mm < TM; ++mm) {
+      const Vec tj = vec::splat(t[mm * t_stride + j]);
+      for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = vec::fmadd(tj, bv[v], acc[mm][v]);
+    }
+  }
+  for (int mm = 0; mm < TM; ++mm) {
+    for (int v = 0; v < kExpandVecs && lanes[v] > 0; ++v) {
+      T* dst = outs[mm] + v * vec::kLanes;
+      vec::store(dst, vec::add(vec::load(dst, lanes[v]), acc[mm][v]), lanes[v]);
+    }
+  }
+}
+
+template <int N>
+using Rows = std::integral_constant<int, N>;
+
+// Calls fn(Rows<TM>{}, m) over rows [0, n) in tiles of TM = 4, then 2, then 1.
+template <typename Fn>
+void for_row_tiles(int64_t n, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + 4 <= n; m += 4) fn(Rows<4>{}, m);
+  if (m + 2 <= n) {
+    fn(Rows<2>{}, m);
+    m += 2;
+  }
+  if (m < n) fn(Rows<1>{}, m);
+}
+
+// One work item: rows `members[0 .. n)` (n <= kChunkRows) of one slot. The shrink fills `shrunk`
+// [n, P * rank] a tile of rows at a time; the expand walks the output a block of columns at a time
+// and applies it to every row of the item, so the block of Bt stays in L1 across the rows.
+template <typename T>
+void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const float* a_slot, const float* bt_slot,
+               int64_t rank, int64_t num_pieces, const int64_t* offsets, int64_t in_features, int64_t out_features,
+               float* shrunk) {
+  constexpr int64_t kBlock = kExpandVecs * vec::kLanes;
+  const int64_t width = num_pieces * rank;
+  const T* rows[kChunkRows];
+  T* outs[kChunkRows];
+  for (int64_t m = 0; m < n; ++m) {
+    rows[m] = x + members[m] * in_features;
+    outs[m] = out + members[m] * out_features;
+  }
+  for_row_tiles(n, [&](auto tile, int64_t m) { shrink_tile<decltype(tile)::value>(rows + m, a_slot, width, in_features, shrunk + m * width, width); });
+  T* block_outs[kChunkRows];
+  for (int64_t p = 0; p < num_pieces; ++p) {
+    const int64_t hi = offsets[p + 1];
+    for (int64_t o = offsets[p]; o < hi; o += kBlock) {
+      int lanes[kExpandVecs];
+      for (int v = 0; v < kExpandVecs; ++v)
+        lanes[v] = static_cast<int>(std::clamp<int64_t>(hi - o - v * vec::kLanes, 0, vec::kLanes));
+      for (int64_t m = 0; m < n; ++m) block_outs[m] = outs[m] + o;
+      for_row_tiles(n, [&](auto tile, int64_t m) {
+        expand_block<decltype(tile)::value>(block_outs + m, shrunk + m * width + p * rank, width, bt_slot + o, rank, out_features, lanes);
+      });
+    }
+  }
+}
+
 template <typename T>
 void lora_rows(T* out, const T* x, const float* a, const float* bt, const int64_t* ranks, const int64_t* row_slots,
                const int64_t* offsets, int64_t num_pieces, int64_t rows, int64_t num_slots, int64_t in_features,
@@ -49,61 +154,27 @@ void lora_rows(T* out, const T* x, const float* a, const float* bt, const int64_
     const int64_t slot = row_slots[i];
     if (slot >= 0 && slot < num_slots && ranks[slot] > 0) rows_of[slot].push_back(i);
   }
+  struct Item {
+    int64_t slot, begin, end;
+  };
+  std::vector<Item> items;
+  int64_t total = 0;  // multiply-adds
+  for (int64_t slot = 0; slot < num_slots; ++slot) {
+    const int64_t n = static_cast<int64_t>(rows_of[slot].size());
+    for (int64_t begin = 0; begin < n; begin += kChunkRows) items.push_back({slot, begin, std::min(n, begin + kChunkRows)});
+    total += n * ranks[slot] * (num_pieces * in_features + out_features);
+  }
   // Threads only for calls of at least ~4M multiply-adds (a quarter millisecond): a parallel region of
   // less waits a whole time slice whenever another process holds a core.
-  int64_t total = 0;
-  for (int64_t slot = 0; slot < num_slots; ++slot)
-    total += static_cast<int64_t>(rows_of[slot].size()) * ranks[slot] * (num_pieces * in_features + out_features);
-  const int64_t grain = total >= (int64_t{1} << 22) ? 1 : num_slots;
-  at::parallel_for(0, num_slots, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> xs, shrunk;
-    for (int64_t slot = begin; slot < end; ++slot) {
-      const std::vector<int64_t>& members = rows_of[slot];
-      const int64_t n = static_cast<int64_t>(members.size());
-      if (n == 0) continue;
-      const int64_t rank = ranks[slot], width = num_pieces * rank;
-      xs.resize(n * in_features);
-      shrunk.resize(n * width);
-      for (int64_t m = 0; m < n; ++m) {
-        const T* xi = x + members[m] * in_features;
-        float* xv = xs.data() + m * in_features;
-        for (int64_t d = 0; d < in_features; ++d) xv[d] = load_float(xi[d]);
-      }
-      const float* a_slot = a + slot * a_slot_rows * in_features;
-      for (int64_t k = 0; k < width; ++k) {  // shrink: t[m][k] = A[k] . x_m
-        const float* a_row = a_slot + k * in_features;
-        for (int64_t m = 0; m < n; ++m) {
-          const float* xv = xs.data() + m * in_features;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t d = 0; d < in_features; ++d) sum += a_row[d] * xv[d];
-          shrunk[m * width + k] = sum;
-        }
-      }
-      const float* bt_slot = bt + slot * max_rank * out_features;
-      for (int64_t m = 0; m < n; ++m) {  // expand, a block of kBlock outputs at a time in registers
-        T* oi = out + members[m] * out_features;
-        for (int64_t p = 0; p < num_pieces; ++p) {
-          const float* t = shrunk.data() + m * width + p * rank;
-          const int64_t lo = offsets[p], hi = offsets[p + 1];
-          int64_t o = lo;
-          for (; o + kBlock <= hi; o += kBlock) {
-            float block[kBlock] = {};
-            for (int64_t j = 0; j < rank; ++j) {
-              const float tj = t[j];
-              const float* b_row = bt_slot + j * out_features + o;
-#pragma omp simd
-              for (int64_t q = 0; q < kBlock; ++q) block[q] += tj * b_row[q];
-            }
-            for (int64_t q = 0; q < kBlock; ++q) store_float(oi + o + q, load_float(oi[o + q]) + block[q]);
-          }
-          for (; o < hi; ++o) {
-            float sum = 0.f;
-            for (int64_t j = 0; j < rank; ++j) sum += t[j] * bt_slot[j * out_features + o];
-            store_float(oi + o, load_float(oi[o]) + sum);
-          }
-        }
-      }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t grain = total >= (int64_t{1} << 22) ? 1 : std::max<int64_t>(num_items, 1);
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> shrunk(kChunkRows * num_pieces * max_rank);
+    for (int64_t item = begin; item < end; ++item) {
+      const Item& work = items[item];
+      slot_rows(out, x, rows_of[work.slot].data() + work.begin, work.end - work.begin,
+                a + work.slot * a_slot_rows * in_features, bt + work.slot * max_rank * out_features, ranks[work.slot],
+                num_pieces, offsets, in_features, out_features, shrunk.data());
     }
   });
 }
@@ -123,6 +194,8 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const int64_t num_pieces = piece_offsets.size(0) - 1, max_rank = lora_bt.size(1);
   TORCH_CHECK(lora_a.size(2) == in_features && lora_bt.size(2) == out_features && row_slots.size(0) == rows,
               "lora_shrink_expand: shapes do not match");
+  TORCH_CHECK(lora_a.size(1) >= num_pieces * max_rank && ranks.size(0) == lora_a.size(0),
+              "lora_shrink_expand: lora_a must hold P * max_rank rows per slot");
   const float* a = lora_a.data_ptr<float>();
   const float* bt = lora_bt.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) {
@@ -141,10 +214,10 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 }  // namespace
 }  // namespace tokenmill_lora
 
-TORCH_LIBRARY(tokenmill_lora, m) {
+TORCH_LIBRARY(TOKENMILL_LORA_LIBRARY, m) {
   m.def(
       "lora_shrink_expand(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_bt, Tensor ranks, Tensor row_slots, "
       "Tensor piece_offsets) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_lora, CPU, m) { m.impl("lora_shrink_expand", &tokenmill_lora::lora_shrink_expand); }
+TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CPU, m) { m.impl("lora_shrink_expand", &tokenmill_lora::lora_shrink_expand); }

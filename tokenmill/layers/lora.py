@@ -6,7 +6,8 @@ row's device slot ``s`` (no adapter: nothing). The adapters live in fixed slots 
 (``lora/manager.py`` fills them); weights are never merged, so one step mixes any slots and the
 base. The delta is computed for all rows at once by a segmented shrink/expand: rows grouped by slot
 (``LoRABatch.segments``), one shrink and one expand per slot and piece (``lora_delta_reference``),
-or one C++ call over all rows (``csrc/lora_cpu.cpp`` via ``layers/lora_kernel.py``) for small steps.
+or, on CPU for float32 and bfloat16 activations, one C++ call over all rows of any step
+(``csrc/lora_cpu.cpp`` via ``layers/lora_kernel.py``, register-tiled, threads over slot chunks).
 
 Layout of one wrapped layer with ``P`` pieces (the merged layer's shards: q/k/v or gate/up; one for
 a plain layer), ``R`` the largest rank and ``L`` slots:
@@ -33,10 +34,6 @@ from torch import nn
 
 from tokenmill.layers import lora_kernel
 from tokenmill.layers.linear import LinearBase, MergedColumnLinear
-
-# A step with at most this many rows computes its deltas in one C++ call (a dot product per row and
-# rank); larger steps use per-slot matrix products, whose GEMMs amortize over the rows.
-KERNEL_MAX_ROWS = 256
 
 
 @dataclass
@@ -137,7 +134,7 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or x.dim() != 2 or x.shape[0] != batch.num_tokens:
             return out
-        if batch.num_tokens <= KERNEL_MAX_ROWS and lora_kernel.applies_to(x):
+        if lora_kernel.applies_to(x):
             lora_kernel.lora_delta(
                 out, x, self.lora_a, self.lora_bt, self.ranks_tensor, batch.row_slots, self.piece_offsets
             )

@@ -1,7 +1,11 @@
 """The C++ segmented LoRA shrink/expand (``csrc/lora_cpu.cpp``), built and cached like the other CPU
 kernels (``layers/cpu_kernels.py``: ``-march=native``, a folder under the extension cache keyed by
-the source, the flags, torch and the CPU) but as a library of its own, so the LoRA kernel neither
-rebuilds nor waits for the attention kernels' library."""
+the sources, the flags, torch and the CPU) but as a library of its own, so the LoRA kernel neither
+rebuilds nor waits for the attention kernels' library.
+
+The kernel is written once against ``csrc/vec16.h``: AVX-512 where the CPU has it, else AVX2, else
+plain loops. ``build_variant`` compiles it again under another op library with extra flags (a test
+builds the AVX2 code on an AVX-512 machine and compares)."""
 
 from __future__ import annotations
 
@@ -17,31 +21,33 @@ from tokenmill.layers.cpu_kernels import CFLAGS, LDFLAGS, _cpu_flags, remove_sta
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "lora_cpu.cpp"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SOURCE = CSRC / "lora_cpu.cpp"
+HEADERS = [CSRC / "vec16.h"]
 NAME = "tokenmill_lora_cpu"
+LIBRARY = "tokenmill_lora"
 
 
-def _build_directory() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join((*CFLAGS, *LDFLAGS)), torch.__version__, _cpu_flags()):
+def _build_directory(extra_flags: tuple[str, ...]) -> Path:
+    digest = hashlib.sha256()
+    for path in (SOURCE, *HEADERS):
+        digest.update(path.read_bytes())
+    for part in (" ".join((*CFLAGS, *extra_flags, *LDFLAGS)), torch.__version__, _cpu_flags()):
         digest.update(part.encode())
     return Path(extension_cache_dir()) / f"lora_cpu-{digest.hexdigest()[:16]}"
 
 
-@functools.cache
-def load_error() -> str | None:
-    """Builds (first time) and loads the kernel; None when it is ready, else why not (once per
-    process: callers then use the torch reference, ``layers/lora.py``)."""
+def _build(name: str, extra_flags: tuple[str, ...]) -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        folder = _build_directory()
+        folder = _build_directory(extra_flags)
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale_build_lock(folder)
         cpp_extension.load(
-            name=NAME,
-            sources=stage_sources(folder, [SOURCE]),
-            extra_cflags=list(CFLAGS),
+            name=name,
+            sources=stage_sources(folder, [SOURCE, *HEADERS])[:1],
+            extra_cflags=[*CFLAGS, *extra_flags],
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,
@@ -51,6 +57,20 @@ def load_error() -> str | None:
         logger.warning("the LoRA CPU kernel is unavailable (the torch reference is used): %s", exc)
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Builds (first time) and loads the kernel; None when it is ready, else why not (once per
+    process: callers then use the torch reference, ``layers/lora.py``)."""
+    return _build(NAME, ())
+
+
+@functools.cache
+def build_variant(library: str, flags: tuple[str, ...]) -> str | None:
+    """Builds the kernel again as op library ``torch.ops.<library>`` with extra compiler ``flags``
+    (e.g. ``-mno-avx512f``: the AVX2 code, as a CPU without AVX-512 runs it); None when loaded, else why not. For tests."""
+    return _build(f"{NAME}_{library}", (*flags, f"-DTOKENMILL_LORA_LIBRARY={library}"))
 
 
 def applies_to(x: torch.Tensor) -> bool:
@@ -66,13 +86,14 @@ def lora_delta(
     ranks: torch.Tensor,  # [slots] int64
     row_slots: torch.Tensor,  # [num_tokens] int64, -1: no adapter
     piece_offsets: torch.Tensor,  # [P + 1] int64
+    library: str = LIBRARY,
 ) -> None:
     """Add each row's adapter delta to ``out`` in one call (the contract of
     ``layers/lora.lora_delta_reference``; float32 accumulation, one rounding per output). Builds the
-    kernel on first use; RuntimeError when it cannot."""
-    error = load_error()
+    kernel on first use; RuntimeError when it cannot. ``library``: a ``build_variant`` instead."""
+    error = load_error() if library == LIBRARY else None
     if error is not None:
         raise RuntimeError(f"the LoRA CPU kernel is unavailable: {error}")
-    torch.ops.tokenmill_lora.lora_shrink_expand(
+    getattr(torch.ops, library).lora_shrink_expand(
         out, x.contiguous(), lora_a, lora_bt, ranks, row_slots, piece_offsets
     )

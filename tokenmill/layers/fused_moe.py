@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 
 # The names checkpoints use for an expert's three projections, mapped to ours.
 EXPERT_SHARDS = {
@@ -59,18 +60,30 @@ def softmax_then_topk(
 class FusedExperts(nn.Module):
     """``num_experts`` gated MLPs in two stacked weights.
 
+    Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
+    (``intermediate_size / tp.size`` gate, up and down features: column- then row-parallel), and
+    ``forward`` returns this rank's partial sum; ``SparseMoeBlock`` all-reduces it.
+
     ``forward(hidden, weights, expert_ids)`` returns ``sum_k weights[t, k] * expert_{ids[t, k]}(hidden[t])``
     for every token ``t``. Checkpoint tensors load one expert projection at a time
     (``load_expert``) or already stacked (``load_stacked``, transformers' in-memory layout).
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.tp = tp
+        intermediate_size = tp.even_range(intermediate_size, "the experts' intermediate features")[1]
+        self.intermediate_size = intermediate_size  # this rank's slice
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
         )
@@ -83,11 +96,15 @@ class FusedExperts(nn.Module):
         """Place one expert's ``gate``/``up`` ([intermediate, hidden]) or ``down`` ([hidden, intermediate])."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} out of range: this layer has {self.num_experts} experts")
-        size = self.intermediate_size
+        size, rank = self.intermediate_size, self.tp.rank
         if shard == "down":
             target = self.w2.data[expert_id]
+            if self.tp.size > 1 and tensor.shape[-1] == size * self.tp.size:
+                tensor = tensor.narrow(1, rank * size, size)
         elif shard in ("gate", "up"):
             target = self.w13.data[expert_id].narrow(0, 0 if shard == "gate" else size, size)
+            if self.tp.size > 1 and tensor.shape[0] == size * self.tp.size:
+                tensor = tensor.narrow(0, rank * size, size)
         else:
             raise ValueError(f"unknown expert projection {shard!r}")
         if tuple(target.shape) != tuple(tensor.shape):
@@ -99,9 +116,22 @@ class FusedExperts(nn.Module):
     def load_stacked(self, name: str, tensor: torch.Tensor) -> None:
         """Load ``gate_up_proj`` ([E, 2 * intermediate, hidden], gate first) or ``down_proj`` ([E, hidden, intermediate])."""
         target = {"gate_up_proj": self.w13, "down_proj": self.w2}.get(name)
+        if target is not None and self.tp.size > 1:
+            tensor = self._stacked_slice(name, tensor)
         if target is None or target.shape != tensor.shape:
             raise ValueError(f"stacked expert tensor {name} {tuple(tensor.shape)} does not fit this layer")
         target.data.copy_(tensor)
+
+    def _stacked_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a stacked checkpoint tensor (unchanged when it does not have the
+        full intermediate size: the shape check then names the mismatch)."""
+        size, rank, full = self.intermediate_size, self.tp.rank, self.intermediate_size * self.tp.size
+        if name == "down_proj" and tensor.dim() == 3 and tensor.shape[2] == full:
+            return tensor.narrow(2, rank * size, size)
+        if name == "gate_up_proj" and tensor.dim() == 3 and tensor.shape[1] == 2 * full:
+            gate, up = tensor.chunk(2, dim=1)  # [E, full, hidden] each
+            return torch.cat([gate.narrow(1, rank * size, size), up.narrow(1, rank * size, size)], dim=1)
+        return tensor
 
     def forward(
         self,
@@ -161,10 +191,12 @@ class SparseMoeBlock(nn.Module):
         route: Router,
         dtype: torch.dtype,
         shared_expert: nn.Module | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.gate = LinearBase(hidden_size, num_experts, bias=False, dtype=dtype)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, dtype)
+        self.gate = LinearBase(hidden_size, num_experts, bias=False, dtype=dtype)  # whole on every rank
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, dtype, tp)
+        self.tp = tp
         self.route = route
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
@@ -174,7 +206,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         weights, expert_ids = self.route(router_logits)  # [num_tokens, top_k] each
-        out = self.experts(hidden, weights, expert_ids)  # [num_tokens, hidden_size]
+        out = self.tp.all_reduce(self.experts(hidden, weights, expert_ids))  # [num_tokens, hidden_size]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out

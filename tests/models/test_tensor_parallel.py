@@ -176,7 +176,9 @@ def test_one_kv_head_replicated_on_both_ranks(tiny_model) -> None:  # type: igno
 
 def test_tiny_qwen2_moe_over_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = str(tmp_path_factory.mktemp("tiny-qwen2-moe-tp"))
-    hf = save_tiny_model(MOE_SPECS["qwen2_moe"], seed=31 + sorted(MOE_SPECS).index("qwen2_moe"), folder=folder)
+    hf = save_tiny_model(
+        MOE_SPECS["qwen2_moe"], seed=31 + sorted(MOE_SPECS).index("qwen2_moe"), folder=folder
+    )
     hf.generation_config.eos_token_id = None
     llm = tp_llm(folder, num_blocks=128, max_num_batched_tokens=32)
     try:
@@ -213,7 +215,9 @@ def test_bfloat16_logprobs_over_two_ranks_are_close_to_one_process(llama: TinyMo
         assert first.logprobs is not None and reference.logprobs is not None
         # Same first position: the chosen token's logprob within bfloat16's resolution.
         token = first.token_ids[0]
-        assert first.logprobs[0][token].logprob == pytest.approx(reference.logprobs[0][token].logprob, abs=0.05)
+        assert first.logprobs[0][token].logprob == pytest.approx(
+            reference.logprobs[0][token].logprob, abs=0.05
+        )
 
 
 # ---------------------------------------------------------------- SmolLM2: uneven KV heads (once)
@@ -248,7 +252,9 @@ def test_a_rank_killed_mid_run_is_an_engine_fault_not_a_hang(llama: TinyModel) -
     os.kill(executor.worker_pids[1], signal.SIGKILL)
     core.add_request(request("b", [8, 9, 10], 2))
     started = time.monotonic()
-    with pytest.raises(WorkerProcessError, match=f"tensor-parallel rank 1 exited with code {-signal.SIGKILL}"):
+    with pytest.raises(
+        WorkerProcessError, match=f"tensor-parallel rank 1 exited with code {-signal.SIGKILL}"
+    ):
         while True:
             core.step()
     with pytest.raises(WorkerProcessError, match="rank 1 exited"):

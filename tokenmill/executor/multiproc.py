@@ -2,8 +2,7 @@
 
 The engine core's process keeps the scheduler; each child (``executor/worker_proc.py``) keeps the
 model (its shard under tensor parallelism), the KV cache tensors (its heads), a paused step and each
-request's state. Plans cross as deltas
-(``executor/plan_delta.py``), everything as msgspec structs of ``protocol.py`` over two ZMQ ipc
+request's state. Plans cross as deltas (``executor/plan_delta.py``), everything as msgspec structs of ``protocol.py`` over two ZMQ ipc
 sockets in a private temp folder. A worker that fails to start or dies is a ``RuntimeError`` in the
 engine, never a hang: every wait polls the sockets in slices and checks every process in between.
 """
@@ -19,61 +18,40 @@ import subprocess
 import tempfile
 import time
 import weakref
-from typing import NoReturn, TypeVar
 
 import msgspec
 import zmq
 
 from tokenmill.child_process import child_command
 from tokenmill.config import EngineConfig
-from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.plan_delta import PlanEncoder, output_from_wire
+from tokenmill.executor.rank_group import RankGroupExecutor, WorkerProcessError
 from tokenmill.loader import ModelSource
-from tokenmill.protocol import (
-    DiscardPausedStep,
-    ExecuteStep,
-    ResumeStep,
-    SetInterruptFlag,
-    ShutdownWorker,
-    StepDone,
-    WorkerCall,
-    WorkerCallResult,
-    WorkerFailed,
-    WorkerReady,
-    WorkerReply,
-    WorkerRequest,
-)
-from tokenmill.step_control import InterruptFlag
+from tokenmill.protocol import ShutdownWorker, WorkerFailed, WorkerReply, WorkerRequest
 from tokenmill.worker.distributed import free_tcp_port
 
 logger = logging.getLogger(__name__)
 
-_Reply = TypeVar("_Reply", WorkerReady, StepDone, WorkerCallResult)
+__all__ = ["MultiProcessExecutor", "WorkerProcessError", "config_for_ranks"]
 
-# How often a wait for the worker checks that it is still alive. Replies arrive at once; this only
-# bounds how late a death is noticed.
+# How often a wait for the workers checks that they are still alive. Replies arrive at once; this
+# only bounds how late a death is noticed.
 LIVENESS_POLL_MS = 200
-# How long shutdown waits for the worker to exit on SIGTERM before it is killed.
+# How long shutdown waits for the workers to exit on SIGTERM before they are killed.
 EXIT_WAIT_S = 5.0
 
 
-class WorkerProcessError(RuntimeError):
-    """The worker failed to start, failed a request, or died; the executor runs nothing more."""
-
-
-class MultiProcessExecutor:
+class MultiProcessExecutor(RankGroupExecutor):
     """Runs each step on ``ModelRunner``s in child processes (``executor/base.py`` contract): one, or
     one per tensor-parallel rank (``config.tensor_parallel_size``), joined by torch.distributed.
 
-    Every rank gets every request, the same bytes (one ``PlanEncoder``: all ranks keep the same
-    per-request state); each answers, and rank 0's answer is the step's output (the other ranks
-    sample nothing). Requests are answered one at a time, in order: each method sends one message
-    and waits for every rank's reply, watching every process meanwhile. Once a worker has failed or
-    died, all of them are stopped and every call raises ``WorkerProcessError``.
+    Requests are answered one at a time, in order: each method sends one message to every rank and
+    waits for every rank's reply, watching every process meanwhile (``executor/rank_group.py``).
+    Once a worker has failed or died, all of them are stopped and every call raises
+    ``WorkerProcessError``.
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self._size = config.tensor_parallel_size
+        super().__init__(config.tensor_parallel_size)
         self._socket_dir = tempfile.mkdtemp(prefix="tokenmill-w-")
         self._context = zmq.Context()
         self._to_workers: list[zmq.Socket] = []
@@ -111,30 +89,12 @@ class MultiProcessExecutor:
         )
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(WorkerReply).decode
-        self._failure: str | None = None
-        self._plans = PlanEncoder()
         try:
-            readies = self._receive("starting", WorkerReady)
+            readies = self._ready()
         except WorkerProcessError:
             self.shutdown()
             raise
-        # One pool for all ranks: each sized its own the same way, but free memory may differ a little.
-        self._num_blocks = min(ready.num_blocks for ready in readies)
-        self._kv_window = readies[0].kv_window
-        self._kv_cache_bytes = readies[0].kv_cache_bytes
         logger.info("worker process(es) %s ready", ", ".join(str(ready.pid) for ready in readies))
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self._kv_cache_bytes
-
-    @property
-    def kv_window(self) -> int | None:
-        return self._kv_window
 
     @property
     def worker_pid(self) -> int:
@@ -145,40 +105,6 @@ class MultiProcessExecutor:
     def worker_pids(self) -> list[int]:
         """Every rank's process id, in rank order."""
         return [process.pid for process in self._processes]
-
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(ExecuteStep(plan=self._plans.encode(plan)))
-        return output_from_wire(self._receive("running a step", StepDone)[0])
-
-    def resume(self, may_pause: bool) -> ModelRunnerOutput:
-        self._send(ResumeStep(may_pause=may_pause))
-        return output_from_wire(self._receive("resuming a step", StepDone)[0])
-
-    def discard_paused(self) -> None:
-        self._send(DiscardPausedStep())
-        self._receive("discarding a paused step", WorkerCallResult)
-
-    def prefault_while_idle(self) -> bool:
-        return any(bool(result) for result in self.collective_rpc("prefault_while_idle"))
-
-    def set_interrupt(self, flag: InterruptFlag | None) -> None:
-        """The workers map the same flag file (``flag.folder``), so the server's byte reaches them."""
-        if flag is not None and flag.folder is None:
-            raise ValueError(
-                "the multi-process executor needs an interrupt flag made by InterruptFlag.create"
-            )
-        self._send(SetInterruptFlag(folder=None if flag is None else flag.folder))
-        self._receive("attaching the interrupt flag", WorkerCallResult)
-
-    def collective_rpc(self, method: str, args: list[object] | None = None) -> list[object]:
-        """Every rank's result, in rank order. A call that raises in a worker raises ``RuntimeError``
-        here; the workers go on serving."""
-        self._send(WorkerCall(method=method, args=list(args or [])))
-        answers = self._receive(f"calling {method}", WorkerCallResult)
-        for answer in answers:
-            if answer.error is not None:
-                raise RuntimeError(f"worker call {method} failed: {answer.error}")
-        return [answer.result for answer in answers]
 
     def shutdown(self) -> None:
         alive = all(process.poll() is None for process in self._processes)
@@ -195,57 +121,40 @@ class MultiProcessExecutor:
 
     # ------------------------------------------------------------------ the wire
 
-    def _send(self, message: WorkerRequest) -> None:
-        if self._failure is not None:
-            raise WorkerProcessError(self._failure)
-        data = self._encode(message)
-        for sock in self._to_workers:
-            sock.send(data)
+    def _stop(self) -> None:
+        self._finalizer()
 
-    def _worker_name(self, rank: int) -> str:
-        return (
-            "the worker process" if self._size == 1 else f"the worker process of tensor-parallel rank {rank}"
-        )
+    def _exited_rank(self, other_than: int) -> tuple[int, str] | None:
+        for rank, process in enumerate(self._processes):
+            code = process.poll()
+            if rank != other_than and code is not None:
+                return rank, f"exited with code {code}"
+        return None
 
-    def _receive(self, what: str, expected: type[_Reply]) -> list[_Reply]:
-        """Every rank's reply, of type ``expected``, in rank order; raises ``WorkerProcessError`` when
-        one reports a failure or a process exits before its rank answered (its peers could wait in
-        a collective for it forever: all are stopped)."""
-        replies: list[_Reply | None] = [None] * self._size
+    def _exchange(self, message: WorkerRequest | None, what: str) -> list[WorkerReply | None]:
+        """Every rank's reply, in rank order; fails when a process exits before its rank answered
+        (its peers could wait in a collective for it forever: all are stopped)."""
+        if message is not None:
+            data = self._encode(message)
+            for sock in self._to_workers:
+                sock.send(data)
+        replies: list[WorkerReply | None] = [None] * self._size
         pending = set(range(self._size))
         while pending:
             ready = dict(self._poller.poll(LIVENESS_POLL_MS))
             for rank in sorted(pending):
                 sock = self._from_workers[rank]
                 if sock in ready:
-                    replies[rank] = self._check(rank, self._decode(sock.recv()), what, expected)
+                    replies[rank] = self._decode(sock.recv())
                     pending.discard(rank)
+            if any(isinstance(reply, WorkerFailed) for reply in replies):
+                break  # the failing rank exits next; its report says why
             for rank, process in enumerate(self._processes):
                 code = process.poll()
                 # A rank that exited may have reported why just before: read that first.
                 if code is not None and not (rank in pending and self._from_workers[rank].poll(0)):
                     self._fail(f"{self._worker_name(rank)} exited with code {code} while {what}")
-        return [reply for reply in replies if reply is not None]
-
-    def _check(self, rank: int, reply: WorkerReply, what: str, expected: type[_Reply]) -> _Reply:
-        if isinstance(reply, WorkerFailed):
-            # A rank whose peer died fails in its next collective: the peer's death is the cause.
-            for other, process in enumerate(self._processes):
-                code = process.poll()
-                if other != rank and code is not None:
-                    self._fail(
-                        f"{self._worker_name(other)} exited with code {code} while {what} "
-                        f"(rank {rank} then failed: {reply.error})"
-                    )
-            self._fail(f"{self._worker_name(rank)} failed while {what}: {reply.error}")
-        if not isinstance(reply, expected):
-            self._fail(f"{self._worker_name(rank)} answered {type(reply).__name__} while {what}")
-        return reply
-
-    def _fail(self, message: str) -> NoReturn:
-        self._failure = message
-        self._finalizer()
-        raise WorkerProcessError(message)
+        return replies
 
 
 def config_for_ranks(config: EngineConfig) -> EngineConfig:

@@ -39,13 +39,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank: nccl)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()
-    common = {"dtype": args.dtype, "max_model_len": 1024, "num_threads": args.threads}
+    common = {"dtype": args.dtype, "max_model_len": 1024, "num_threads": args.threads, "device": args.device}
     engines = {
         "one process": {},
         "one worker process (mp)": {"executor_backend": "mp"},

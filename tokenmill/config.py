@@ -415,6 +415,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     threads_per_rank: int | None = None
     distributed_executor_backend: str = "mp"
+    # Mixture-of-experts layers split whole experts over the ranks (not each expert's features).
+    enable_expert_parallel: bool = False
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:

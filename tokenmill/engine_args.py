@@ -407,6 +407,12 @@ def add_tensor_parallel_args(group: argparse._ArgumentGroup) -> None:
         help="mp: tensor-parallel workers as child processes; ray: as Ray actors in a placement group "
         "(pip install tokenmill[ray])",
     )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="under tensor parallelism, give each rank whole experts of the MoE layers (experts / "
+        "ranks each) instead of a slice of every expert",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -451,6 +457,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "threads_per_rank": args.threads_per_rank,
         "distributed_executor_backend": args.distributed_executor_backend,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "logprobs_mode": args.logprobs_mode,
         "rl_exact_logprobs": args.rl_exact_logprobs,
         "deterministic": args.deterministic,

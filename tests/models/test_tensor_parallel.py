@@ -18,6 +18,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from tests.conftest import TinyModel, save_tiny_model
 from tests.models.test_gemma3 import GEMMA3
@@ -187,6 +188,35 @@ def test_tiny_qwen2_moe_over_two_ranks(tmp_path_factory: pytest.TempPathFactory)
         shut(llm)
 
 
+def test_tiny_qwen3_moe_with_whole_experts_per_rank(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Expert parallelism: six experts, three whole ones on each rank (a dense layer 1 split as usual)."""
+    folder = str(tmp_path_factory.mktemp("tiny-qwen3-moe-ep"))
+    hf = save_tiny_model(
+        MOE_SPECS["qwen3_moe"], seed=31 + sorted(MOE_SPECS).index("qwen3_moe"), folder=folder
+    )
+    hf.generation_config.eos_token_id = None
+    llm = tp_llm(folder, num_blocks=128, max_num_batched_tokens=32, enable_expert_parallel=True)
+    try:
+        assert_greedy_matches(llm, TinyModel("qwen3_moe", folder, hf), tiny_prompts(), MOE_LOGPROB_TOL)
+    finally:
+        shut(llm)
+
+
+def test_experts_split_whole_or_by_features() -> None:
+    from tokenmill.layers.fused_moe import FusedExperts
+
+    whole = FusedExperts(6, 8, 4, "silu", torch.float32, TensorParallel(1, 2, expert_parallel=True))
+    assert (whole.first_expert, whole.num_local_experts, tuple(whole.w13.shape)) == (3, 3, (3, 8, 8))
+    sliced = FusedExperts(6, 8, 4, "silu", torch.float32, TensorParallel(1, 2))
+    assert (sliced.num_local_experts, tuple(sliced.w13.shape), tuple(sliced.w2.shape)) == (
+        6,
+        (6, 4, 8),
+        (6, 8, 2),
+    )
+    with pytest.raises(ValueError, match=r"the experts \(5\) do not split evenly across 2"):
+        FusedExperts(5, 8, 4, "silu", torch.float32, TensorParallel(0, 2, expert_parallel=True))
+
+
 def test_tiny_gemma3_over_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = str(tmp_path_factory.mktemp("tiny-gemma3-tp"))
     hf = save_tiny_model(GEMMA3, seed=31, folder=folder)
@@ -307,7 +337,10 @@ def test_the_cli_flags() -> None:
     args = parser.parse_args(["--tensor-parallel-size", "2", "--threads-per-rank", "3"])
     config = build_engine_config("m", **engine_kwargs(args))
     assert (config.tensor_parallel_size, config.threads_per_rank) == (2, 3)
-    assert config.distributed_executor_backend == "mp"
+    assert config.distributed_executor_backend == "mp" and not config.enable_expert_parallel
+    assert build_engine_config(
+        "m", **engine_kwargs(parser.parse_args(["--enable-expert-parallel"]))
+    ).enable_expert_parallel
     config = build_engine_config("m", **engine_kwargs(parser.parse_args(["-tp", "2"])))
     assert config.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):

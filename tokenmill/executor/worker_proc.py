@@ -13,6 +13,7 @@ state may be half-updated). It exits too when its parent is gone, checked while 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -138,6 +139,7 @@ class WorkerHandler:
             tp, device = join_tensor_parallel_group(
                 placement.rank, placement.size, placement.init_method, device
             )
+            tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
             if device.type == "cpu" and config.num_threads:
                 split_cpu_threads(placement.rank, config.num_threads)
         runner = ModelRunner(config, resolve_model(config.model.model), tp=tp)

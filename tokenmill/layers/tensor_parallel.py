@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank ``rank`` of ``size`` in ``group`` (None only when ``size == 1``)."""
+    """Rank ``rank`` of ``size`` in ``group`` (None only when ``size == 1``); ``expert_parallel``:
+    mixture-of-experts layers split their experts over the ranks rather than each expert's features."""
 
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup
+    expert_parallel: bool = False
 
     @property
     def is_first(self) -> bool:

@@ -22,9 +22,15 @@ from tokenmill.config import EngineConfig
 
 
 def child_command(
-    module: str, config: EngineConfig, input_address: str, output_address: str, log_level: str
+    module: str,
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    log_level: str,
+    extra: list[str] | None = None,
 ) -> list[str]:
-    """The command line that starts ``module``'s ``main`` as a child of this process."""
+    """The command line that starts ``module``'s ``main`` as a child of this process; ``extra`` are
+    module-specific options (a worker's tensor-parallel rank) that ``parse_child_args`` reads."""
     return [
         sys.executable,
         "-m",
@@ -39,6 +45,7 @@ def child_command(
         str(os.getpid()),
         "--log-level",
         log_level,
+        *(extra or []),
     ]
 
 
@@ -50,6 +57,10 @@ class ChildArgs:
     input_address: str
     output_address: str
     parent_pid: int
+    # A worker's place in its tensor-parallel group (rank 0 of 1 when alone) and the rendezvous.
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_init_method: str | None = None
 
 
 def parse_child_args(description: str, log_tag: str, argv: list[str] | None = None) -> ChildArgs:
@@ -61,13 +72,26 @@ def parse_child_args(description: str, log_tag: str, argv: list[str] | None = No
     parser.add_argument("--output-address", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--tp-init-method", default=None)
     args = parser.parse_args(argv)
+    if args.tp_size > 1:
+        log_tag = f"{log_tag} rank {args.tp_rank}"
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{log_tag}] %(name)s: %(message)s",
     )
     config = msgspec.json.decode(args.config_json, type=EngineConfig)
-    return ChildArgs(config, args.input_address, args.output_address, args.parent_pid)
+    return ChildArgs(
+        config,
+        args.input_address,
+        args.output_address,
+        args.parent_pid,
+        args.tp_rank,
+        args.tp_size,
+        args.tp_init_method,
+    )
 
 
 def open_child_sockets(input_address: str, output_address: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:

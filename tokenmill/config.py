@@ -34,6 +34,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 AUTO_TIER = "auto"
 DEFAULT_TIER = "default"
 EXECUTOR_BACKENDS = ("inprocess", "mp")
+# What runs a tensor-parallel group's workers: child processes, or Ray actors (executor/ray_executor.py).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # What the logprobs of sampled tokens describe (vLLM's names): the model's distribution
 # (log-softmax of the unprocessed logits), or the one the token was drawn from (after logit bias,
 # penalties, grammar, temperature, min-p, top-k and top-p; greedy rows: before temperature).
@@ -444,6 +446,14 @@ class EngineConfig:
     deterministic: bool = False
     # Speculative decoding (spec/), or None for none.
     speculative_config: SpeculativeConfig | None = None
+    # Tensor parallelism (docs/scaling-tp.md): the model sharded over this many worker processes
+    # (or Ray actors: distributed_executor_backend), each with ``threads_per_rank`` CPU threads
+    # (default: the engine's threads split evenly).
+    tensor_parallel_size: int = 1
+    threads_per_rank: int | None = None
+    distributed_executor_backend: str = "mp"
+    # Mixture-of-experts layers split whole experts over the ranks (not each expert's features).
+    enable_expert_parallel: bool = False
 
     def validate(self) -> None:
         if self.model.dtype not in DTYPE_CHOICES:
@@ -469,6 +479,7 @@ class EngineConfig:
                 f"executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.executor_backend!r}"
             )
         self.scheduler.validate()
+        self._validate_tensor_parallel()
         self._validate_logprobs()
         self._validate_deterministic()
         self.lora.validate()
@@ -494,6 +505,31 @@ class EngineConfig:
                 f"state_checkpoint_interval must be a positive multiple of block_size "
                 f"({self.cache.block_size}), got {interval}"
             )
+
+    def _validate_tensor_parallel(self) -> None:
+        """Sizes, and the features that do not compose with tensor parallelism yet, named."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.tensor_parallel_size == 1:
+            return
+        refused = {
+            "LoRA": self.lora.enable_lora,
+            "speculative decoding": self.speculative_config is not None,
+            "deterministic mode": self.deterministic,
+            "the transformers model implementation": self.model.model_impl == "transformers",
+        }
+        for feature, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"tensor parallelism (tensor_parallel_size > 1) cannot be combined with {feature} yet"
+                )
 
     def _validate_logprobs(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tokenmill.config import (
     ADMISSIONS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_CHOICES,
     EXECUTOR_BACKENDS,
     LOGPROBS_MODES,
@@ -183,6 +184,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         f"bursts of work (HTTP, tokenizing, streaming) never wait behind its passes (default: "
         f"{CPU_ENGINE_NICENESS} on CPUs, 0 elsewhere)",
     )
+    add_tensor_parallel_args(model)
     model.add_argument(
         "--executor-backend",
         default="inprocess",
@@ -395,6 +397,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tensor_parallel_args(group: argparse._ArgumentGroup) -> None:
+    """``--tensor-parallel-size``, ``--threads-per-rank``, ``--distributed-executor-backend``."""
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many worker processes joined by torch.distributed (gloo on "
+        "CPU, nccl on CUDA); docs/scaling-tp.md",
+    )
+    group.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="CPU threads of each tensor-parallel rank (default: --num-threads, else every core, "
+        "split evenly over the ranks)",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        default="mp",
+        choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+        help="mp: tensor-parallel workers as child processes; ray: as Ray actors in a placement group "
+        "(pip install tokenmill[ray])",
+    )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="under tensor parallelism, give each rank whole experts of the MoE layers (experts / "
+        "ranks each) instead of a slice of every expert",
+    )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine options as keyword arguments for ``LLM`` / ``build_engine_config``.
 
@@ -436,6 +470,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "fair_output_weight": args.fair_output_weight,
         "jump_forward": not args.no_jump_forward,
         "executor_backend": args.executor_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "threads_per_rank": args.threads_per_rank,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "logprobs_mode": args.logprobs_mode,
         "rl_exact_logprobs": args.rl_exact_logprobs,
         "deterministic": args.deterministic,

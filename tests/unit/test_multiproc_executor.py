@@ -67,7 +67,7 @@ def test_the_tiny_llama_through_the_worker_process_equals_the_in_process_executo
         assert mp.engine.kv_manager.all_free_or_cached()
     finally:
         executor.shutdown()
-    assert executor._process.poll() is not None  # the worker exited
+    assert executor._processes[0].poll() is not None  # the worker exited
     with pytest.raises(WorkerProcessError):
         executor.execute(mp.engine.scheduler.schedule())
 

@@ -17,8 +17,9 @@ from tokenmill.step_control import InterruptFlag
 
 class Executor(Protocol):
     """Runs the engine core's plans. Implementations: ``InProcessExecutor`` (the runner in this
-    process, plans passed as objects) and ``MultiProcessExecutor`` (the runner in a child process,
-    plans sent as deltas over ZMQ).
+    process, plans passed as objects), ``MultiProcessExecutor`` (the runner in a child process per
+    tensor-parallel rank, plans sent as deltas over ZMQ) and ``RayExecutor`` (the ranks as Ray
+    actors); the last two share ``executor/rank_group.py``.
 
     Contract: ``execute`` runs plans in the order given (workers keep per-request state from one plan
     to the next) and returns ``DONE`` with a token per sampling request, ``PAUSED`` (a ``pausable``

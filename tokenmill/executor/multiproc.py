@@ -1,195 +1,191 @@
-"""The executor whose worker runs in one child process (the base tensor parallelism builds on).
+"""The executor whose workers run in child processes: one, or one per tensor-parallel rank.
 
-The engine core's process keeps the scheduler; the child (``executor/worker_proc.py``) keeps the
-model, the KV cache tensors, a paused step and each request's state. Plans cross as deltas
-(``executor/plan_delta.py``), everything as msgspec structs of ``protocol.py`` over two ZMQ ipc
+The engine core's process keeps the scheduler; each child (``executor/worker_proc.py``) keeps the
+model (its shard under tensor parallelism), the KV cache tensors (its heads), a paused step and each
+request's state. Plans cross as deltas (``executor/plan_delta.py``), everything as msgspec structs of ``protocol.py`` over two ZMQ ipc
 sockets in a private temp folder. A worker that fails to start or dies is a ``RuntimeError`` in the
-engine, never a hang: every wait polls the socket in slices and checks the process in between.
+engine, never a hang: every wait polls the sockets in slices and checks every process in between.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
+import time
 import weakref
-from typing import NoReturn, TypeVar
 
 import msgspec
 import zmq
 
 from tokenmill.child_process import child_command
 from tokenmill.config import EngineConfig
-from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.plan_delta import PlanEncoder, output_from_wire
+from tokenmill.executor.rank_group import RankGroupExecutor, WorkerProcessError
 from tokenmill.loader import ModelSource
-from tokenmill.protocol import (
-    DiscardPausedStep,
-    ExecuteStep,
-    ResumeStep,
-    SetInterruptFlag,
-    ShutdownWorker,
-    StepDone,
-    WorkerCall,
-    WorkerCallResult,
-    WorkerFailed,
-    WorkerReady,
-    WorkerReply,
-    WorkerRequest,
-)
-from tokenmill.step_control import InterruptFlag
+from tokenmill.protocol import ShutdownWorker, WorkerFailed, WorkerReply, WorkerRequest
+from tokenmill.worker.distributed import free_tcp_port
 
 logger = logging.getLogger(__name__)
 
-_Reply = TypeVar("_Reply", WorkerReady, StepDone, WorkerCallResult)
+__all__ = ["MultiProcessExecutor", "WorkerProcessError", "config_for_ranks"]
 
-# How often a wait for the worker checks that it is still alive. Replies arrive at once; this only
-# bounds how late a death is noticed.
+# How often a wait for the workers checks that they are still alive. Replies arrive at once; this
+# only bounds how late a death is noticed.
 LIVENESS_POLL_MS = 200
-# How long shutdown waits for the worker to exit on SIGTERM before it is killed.
+# How long shutdown waits for the workers to exit on SIGTERM before they are killed.
 EXIT_WAIT_S = 5.0
 
 
-class WorkerProcessError(RuntimeError):
-    """The worker failed to start, failed a request, or died; the executor runs nothing more."""
+class MultiProcessExecutor(RankGroupExecutor):
+    """Runs each step on ``ModelRunner``s in child processes (``executor/base.py`` contract): one, or
+    one per tensor-parallel rank (``config.tensor_parallel_size``), joined by torch.distributed.
 
-
-class MultiProcessExecutor:
-    """Runs each step on a ``ModelRunner`` in one child process (``executor/base.py`` contract).
-
-    Requests are answered one at a time, in order: each method sends one message and waits for its
-    reply. Once the worker has failed, every call raises ``WorkerProcessError``.
+    Requests are answered one at a time, in order: each method sends one message to every rank and
+    waits for every rank's reply, watching every process meanwhile (``executor/rank_group.py``).
+    Once a worker has failed or died, all of them are stopped and every call raises
+    ``WorkerProcessError``.
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        super().__init__(config.tensor_parallel_size)
         self._socket_dir = tempfile.mkdtemp(prefix="tokenmill-w-")
-        input_address = f"ipc://{self._socket_dir}/in"
-        output_address = f"ipc://{self._socket_dir}/out"
         self._context = zmq.Context()
-        self._to_worker = self._context.socket(zmq.PUSH)
-        self._from_worker = self._context.socket(zmq.PULL)
-        for sock in (self._to_worker, self._from_worker):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-        self._from_worker.bind(output_address)
-        self._to_worker.connect(input_address)
+        self._to_workers: list[zmq.Socket] = []
+        self._from_workers: list[zmq.Socket] = []
+        self._poller = zmq.Poller()
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}" if self._size > 1 else None
+        rank_config = config_for_ranks(config)
         log_level = logging.getLevelName(logging.getLogger("tokenmill").getEffectiveLevel())
-        command = child_command(
-            "tokenmill.executor.worker_proc", config, input_address, output_address, log_level
+        self._processes: list[subprocess.Popen[bytes]] = []
+        for rank in range(self._size):
+            input_address = f"ipc://{self._socket_dir}/in{rank}"
+            output_address = f"ipc://{self._socket_dir}/out{rank}"
+            to_worker, from_worker = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+            for sock in (to_worker, from_worker):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)
+            from_worker.bind(output_address)
+            to_worker.connect(input_address)
+            self._to_workers.append(to_worker)
+            self._from_workers.append(from_worker)
+            self._poller.register(from_worker, zmq.POLLIN)
+            extra = (
+                ["--tp-rank", str(rank), "--tp-size", str(self._size), "--tp-init-method", init_method]
+                if init_method is not None
+                else None
+            )
+            command = child_command(
+                "tokenmill.executor.worker_proc", rank_config, input_address, output_address, log_level, extra
+            )
+            self._processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
+        # Stops the children even when nobody calls shutdown (an LLM dropped, the interpreter exiting).
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, list(self._processes), self._context, self._socket_dir
         )
-        self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-        # Stops the child even when nobody calls shutdown (an LLM dropped, the interpreter exiting).
-        self._finalizer = weakref.finalize(self, _stop_worker, self._process, self._context, self._socket_dir)
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(WorkerReply).decode
-        self._failure: str | None = None
-        self._plans = PlanEncoder()
         try:
-            ready = self._receive("starting", WorkerReady)
+            readies = self._ready()
         except WorkerProcessError:
             self.shutdown()
             raise
-        self._num_blocks, self._kv_window = ready.num_blocks, ready.kv_window
-        self._kv_cache_bytes = ready.kv_cache_bytes
-        logger.info("worker process %d ready", ready.pid)
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self._kv_cache_bytes
-
-    @property
-    def kv_window(self) -> int | None:
-        return self._kv_window
+        logger.info("worker process(es) %s ready", ", ".join(str(ready.pid) for ready in readies))
 
     @property
     def worker_pid(self) -> int:
-        return self._process.pid
+        """Rank 0's process id."""
+        return self._processes[0].pid
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(ExecuteStep(plan=self._plans.encode(plan)))
-        return output_from_wire(self._receive("running a step", StepDone))
-
-    def resume(self, may_pause: bool) -> ModelRunnerOutput:
-        self._send(ResumeStep(may_pause=may_pause))
-        return output_from_wire(self._receive("resuming a step", StepDone))
-
-    def discard_paused(self) -> None:
-        self._send(DiscardPausedStep())
-        self._receive("discarding a paused step", WorkerCallResult)
-
-    def prefault_while_idle(self) -> bool:
-        return bool(self.collective_rpc("prefault_while_idle")[0])
-
-    def set_interrupt(self, flag: InterruptFlag | None) -> None:
-        """The worker maps the same flag file (``flag.folder``), so the server's byte reaches it."""
-        if flag is not None and flag.folder is None:
-            raise ValueError(
-                "the multi-process executor needs an interrupt flag made by InterruptFlag.create"
-            )
-        self._send(SetInterruptFlag(folder=None if flag is None else flag.folder))
-        self._receive("attaching the interrupt flag", WorkerCallResult)
-
-    def collective_rpc(self, method: str, args: list[object] | None = None) -> list[object]:
-        """A call that raises in the worker raises ``RuntimeError`` here; the worker goes on serving."""
-        self._send(WorkerCall(method=method, args=list(args or [])))
-        answer = self._receive(f"calling {method}", WorkerCallResult)
-        if answer.error is not None:
-            raise RuntimeError(f"worker call {method} failed: {answer.error}")
-        return [answer.result]
+    @property
+    def worker_pids(self) -> list[int]:
+        """Every rank's process id, in rank order."""
+        return [process.pid for process in self._processes]
 
     def shutdown(self) -> None:
-        if self._finalizer.alive and self._process.poll() is None and self._failure is None:
-            # A send that fails changes nothing: the process is stopped below either way.
+        alive = all(process.poll() is None for process in self._processes)
+        if self._finalizer.alive and alive and self._failure is None:
+            # A send that fails changes nothing: the processes are stopped below either way.
             with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
-                self._to_worker.send(self._encode(ShutdownWorker()), zmq.NOBLOCK)
-                self._process.wait(EXIT_WAIT_S)  # a clean exit first; SIGTERM below otherwise
+                message = self._encode(ShutdownWorker())
+                for sock in self._to_workers:
+                    sock.send(message, zmq.NOBLOCK)
+                for process in self._processes:
+                    process.wait(EXIT_WAIT_S)  # a clean exit first; SIGTERM below otherwise
         self._failure = self._failure or "the executor was shut down"
         self._finalizer()
 
     # ------------------------------------------------------------------ the wire
 
-    def _send(self, message: WorkerRequest) -> None:
-        if self._failure is not None:
-            raise WorkerProcessError(self._failure)
-        self._to_worker.send(self._encode(message))
-
-    def _receive(self, what: str, expected: type[_Reply]) -> _Reply:
-        """The worker's reply, of type ``expected``; raises ``WorkerProcessError`` when it reports a
-        failure or exits before answering."""
-        while not self._from_worker.poll(LIVENESS_POLL_MS):
-            code = self._process.poll()
-            if code is not None:
-                # It may have reported why just before it exited.
-                if self._from_worker.poll(0):
-                    break
-                self._fail(f"the worker process exited with code {code} while {what}")
-        reply = self._decode(self._from_worker.recv())
-        if isinstance(reply, WorkerFailed):
-            self._fail(f"the worker process failed while {what}: {reply.error}")
-        if not isinstance(reply, expected):
-            self._fail(f"the worker process answered {type(reply).__name__} while {what}")
-        return reply
-
-    def _fail(self, message: str) -> NoReturn:
-        self._failure = message
+    def _stop(self) -> None:
         self._finalizer()
-        raise WorkerProcessError(message)
+
+    def _exited_rank(self, other_than: int) -> tuple[int, str] | None:
+        for rank, process in enumerate(self._processes):
+            code = process.poll()
+            if rank != other_than and code is not None:
+                return rank, f"exited with code {code}"
+        return None
+
+    def _exchange(self, message: WorkerRequest | None, what: str) -> list[WorkerReply | None]:
+        """Every rank's reply, in rank order; fails when a process exits before its rank answered
+        (its peers could wait in a collective for it forever: all are stopped)."""
+        if message is not None:
+            data = self._encode(message)
+            for sock in self._to_workers:
+                sock.send(data)
+        replies: list[WorkerReply | None] = [None] * self._size
+        pending = set(range(self._size))
+        while pending:
+            ready = dict(self._poller.poll(LIVENESS_POLL_MS))
+            for rank in sorted(pending):
+                sock = self._from_workers[rank]
+                if sock in ready:
+                    replies[rank] = self._decode(sock.recv())
+                    pending.discard(rank)
+            if any(isinstance(reply, WorkerFailed) for reply in replies):
+                break  # the failing rank exits next; its report says why
+            for rank, process in enumerate(self._processes):
+                code = process.poll()
+                # A rank that exited may have reported why just before: read that first.
+                if code is not None and not (rank in pending and self._from_workers[rank].poll(0)):
+                    self._fail(f"{self._worker_name(rank)} exited with code {code} while {what}")
+        return replies
 
 
-def _stop_worker(process: subprocess.Popen[bytes], context: zmq.Context, socket_dir: str) -> None:
-    """SIGTERM (the worker exits cleanly on it, or has already on ``ShutdownWorker``), then SIGKILL if
-    it lingers; always reaps it, closes the sockets and removes their folder."""
-    if process.poll() is None:
-        process.terminate()
+def config_for_ranks(config: EngineConfig) -> EngineConfig:
+    """The config each rank runs with: under tensor parallelism on a CPU, the engine's threads
+    (``num_threads``, else every core this process may use) split evenly over the ranks unless
+    ``threads_per_rank`` says how many each gets."""
+    size = config.tensor_parallel_size
+    if size == 1 or config.model.device != "cpu":
+        return config
+    threads = config.threads_per_rank or max(1, (config.num_threads or available_cores()) // size)
+    return dataclasses.replace(config, num_threads=threads)
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _stop_workers(processes: list[subprocess.Popen[bytes]], context: zmq.Context, socket_dir: str) -> None:
+    """SIGTERM (a worker exits cleanly on it, or has already on ``ShutdownWorker``), then SIGKILL for
+    those that linger (a rank blocked in a collective with a dead peer never sees the SIGTERM);
+    always reaps them, closes the sockets and removes their folder."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for process in processes:
         try:
-            process.wait(EXIT_WAIT_S)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.layers.batch_invariant import row_tiled
 from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 
 # The names checkpoints use for an expert's three projections, mapped to ours.
 EXPERT_SHARDS = {
@@ -60,6 +61,12 @@ def softmax_then_topk(
 class FusedExperts(nn.Module):
     """``num_experts`` gated MLPs in two stacked weights.
 
+    Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
+    (``intermediate_size / tp.size`` gate, up and down features: column- then row-parallel); with
+    ``tp.expert_parallel`` each rank holds ``num_experts / tp.size`` whole experts instead, and
+    tokens routed elsewhere add nothing here. Either way ``forward`` returns this rank's partial sum
+    and ``SparseMoeBlock`` all-reduces it.
+
     ``forward(hidden, weights, expert_ids)`` returns ``sum_k weights[t, k] * expert_{ids[t, k]}(hidden[t])``
     for every token ``t``. Checkpoint tensors load one expert projection at a time
     (``load_expert``) or already stacked (``load_stacked``, transformers' in-memory layout).
@@ -73,26 +80,38 @@ class FusedExperts(nn.Module):
         hidden_act: str,
         dtype: torch.dtype,
         bias: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.tp = tp
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:  # whole experts, a run of them per rank
+            self.first_expert, self.num_local_experts = tp.even_range(num_experts, "the experts")
+            self.slice_parts, self.slice_index = 1, 0
+        else:  # every expert, a slice of its intermediate features per rank
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.slice_parts, self.slice_index = tp.size, tp.rank
+            intermediate_size = tp.even_range(intermediate_size, "the experts' intermediate features")[1]
+        self.intermediate_size = intermediate_size  # this rank's
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+            torch.empty(self.num_local_experts, hidden_size, intermediate_size, dtype=dtype),
+            requires_grad=False,
         )
-        # Per-expert biases of both projections (gpt-oss has them), [num_experts, out_features].
+        # Per-expert biases of both projections (gpt-oss has them), [local experts, out_features].
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if bias:
             self.w13_bias = nn.Parameter(
-                torch.zeros(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
+                torch.zeros(self.num_local_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
             )
             self.w2_bias = nn.Parameter(
-                torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False
+                torch.zeros(self.num_local_experts, hidden_size, dtype=dtype), requires_grad=False
             )
         self.act = expert_activation(hidden_act)
         self.row_tile = 0  # deterministic mode: see LinearBase.row_tile
@@ -107,11 +126,18 @@ class FusedExperts(nn.Module):
         """Place one expert's ``gate``/``up`` ([intermediate, hidden]) or ``down`` ([hidden, intermediate])."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} out of range: this layer has {self.num_experts} experts")
-        size = self.intermediate_size
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert (expert parallelism)
+        size, parts, index = self.intermediate_size, self.slice_parts, self.slice_index
         if shard == "down":
-            target = self.w2.data[expert_id]
+            target = self.w2.data[local]
+            if parts > 1 and tensor.shape[-1] == size * parts:
+                tensor = tensor.narrow(1, index * size, size)
         elif shard in ("gate", "up"):
-            target = self.w13.data[expert_id].narrow(0, 0 if shard == "gate" else size, size)
+            target = self.w13.data[local].narrow(0, 0 if shard == "gate" else size, size)
+            if parts > 1 and tensor.shape[0] == size * parts:
+                tensor = tensor.narrow(0, index * size, size)
         else:
             raise ValueError(f"unknown expert projection {shard!r}")
         if tuple(target.shape) != tuple(tensor.shape):
@@ -123,9 +149,24 @@ class FusedExperts(nn.Module):
     def load_stacked(self, name: str, tensor: torch.Tensor) -> None:
         """Load ``gate_up_proj`` ([E, 2 * intermediate, hidden], gate first) or ``down_proj`` ([E, hidden, intermediate])."""
         target = {"gate_up_proj": self.w13, "down_proj": self.w2}.get(name)
+        if target is not None and self.expert_parallel and tensor.shape[0] == self.num_experts:
+            tensor = tensor.narrow(0, self.first_expert, self.num_local_experts)
+        elif target is not None and self.slice_parts > 1:
+            tensor = self._stacked_slice(name, tensor)
         if target is None or target.shape != tensor.shape:
             raise ValueError(f"stacked expert tensor {name} {tuple(tensor.shape)} does not fit this layer")
         target.data.copy_(tensor)
+
+    def _stacked_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a stacked checkpoint tensor (unchanged when it does not have the
+        full intermediate size: the shape check then names the mismatch)."""
+        size, rank, full = self.intermediate_size, self.slice_index, self.intermediate_size * self.slice_parts
+        if name == "down_proj" and tensor.dim() == 3 and tensor.shape[2] == full:
+            return tensor.narrow(2, rank * size, size)
+        if name == "gate_up_proj" and tensor.dim() == 3 and tensor.shape[1] == 2 * full:
+            gate, up = tensor.chunk(2, dim=1)  # [E, full, hidden] each
+            return torch.cat([gate.narrow(1, rank * size, size), up.narrow(1, rank * size, size)], dim=1)
+        return tensor
 
     def forward(
         self,
@@ -140,13 +181,16 @@ class FusedExperts(nn.Module):
         token_rows = order // top_k  # [num_pairs]: the token behind each sorted (token, expert) pair
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one device sync
         grouped = hidden.index_select(0, token_rows)  # [num_pairs, hidden_size]
-        expert_out = torch.empty_like(grouped)  # [num_pairs, hidden_size]
+        # Pairs of experts another rank holds (expert parallelism) stay zero here.
+        expert_out = torch.zeros_like(grouped) if self.expert_parallel else torch.empty_like(grouped)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            rows = grouped[start : start + count]  # [count, hidden_size]
-            expert_out[start : start + count] = self._expert(expert, rows)  # [count, hidden_size]
+            local = expert - self.first_expert
+            if 0 <= local < self.num_local_experts:
+                rows = grouped[start : start + count]  # [count, hidden_size]
+                expert_out[start : start + count] = self._expert(local, rows)  # [count, hidden_size]
             start += count
         pair_weights = weights.reshape(-1).index_select(0, order).to(hidden.dtype)  # [num_pairs]
         out = torch.zeros_like(hidden)  # [num_tokens, hidden_size]
@@ -196,10 +240,12 @@ class SparseMoeBlock(nn.Module):
         route: Router,
         dtype: torch.dtype,
         shared_expert: nn.Module | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.gate = LinearBase(hidden_size, num_experts, bias=False, dtype=dtype)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, dtype)
+        self.gate = LinearBase(hidden_size, num_experts, bias=False, dtype=dtype)  # whole on every rank
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, dtype, tp=tp)
+        self.tp = tp
         self.route = route
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
@@ -209,7 +255,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         weights, expert_ids = self.route(router_logits)  # [num_tokens, top_k] each
-        out = self.experts(hidden, weights, expert_ids)  # [num_tokens, hidden_size]
+        out = self.tp.all_reduce(self.experts(hidden, weights, expert_ids))  # [num_tokens, hidden_size]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out

@@ -16,16 +16,19 @@ from tokenmill.layers.batch_invariant import row_tiled
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 
 
-def _shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    if tp_size == 1:
+def _shard(tensor: torch.Tensor, dim: int, features: tuple[int, int]) -> torch.Tensor:
+    """The ``(start, count)`` slice of ``tensor`` along ``dim`` (the whole tensor when it is that)."""
+    start, count = features
+    if start == 0 and count == tensor.shape[dim]:
         return tensor
-    size = tensor.shape[dim]
-    if size % tp_size:
-        raise ValueError(f"dimension {dim} of size {size} does not split across {tp_size} ranks")
-    part = size // tp_size
-    return tensor.narrow(dim, tp_rank * part, part)
+    if start + count > tensor.shape[dim]:
+        raise ValueError(
+            f"features {start}..{start + count} are outside dimension {dim} of {tuple(tensor.shape)}"
+        )
+    return tensor.narrow(dim, start, count)
 
 
 def _first_row_is_int4(weight: torch.Tensor) -> bool:
@@ -117,20 +120,27 @@ class ColumnParallelLinear(LinearBase):
         out_features: int,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(in_features, out_features // tp_size, bias, dtype)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        features = tp.even_range(out_features, "output features")
+        super().__init__(in_features, features[1], bias, dtype)
+        self.tp = tp
+        self.features = features  # (first, count) of the output features this rank computes
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         target = self.weight if name == "weight" else self.bias
         assert target is not None, f"unexpected {name}"
-        target.data.copy_(_shard(tensor, 0, self.tp_rank, self.tp_size))
+        target.data.copy_(_shard(tensor, 0, self.features))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial outputs are summed with an all-reduce."""
+    """Input features split across ranks; the partial outputs are summed with an all-reduce (the
+    bias, whole on every rank, is added once after it). ``in_range`` ``(first, count)`` names this
+    rank's input features when they are not an even split (the output of unevenly split heads)."""
 
     def __init__(
         self,
@@ -138,32 +148,39 @@ class RowParallelLinear(LinearBase):
         out_features: int,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: TensorParallel = SINGLE,
+        in_range: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(in_features // tp_size, out_features, bias, dtype)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        features = in_range or tp.even_range(in_features, "input features")
+        super().__init__(features[1], out_features, bias, dtype)
+        self.tp = tp
+        self.features = features
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if name == "weight":
-            self.weight.data.copy_(_shard(tensor, 1, self.tp_rank, self.tp_size))
+            self.weight.data.copy_(_shard(tensor, 1, self.features))
         else:
             assert self.bias is not None, f"unexpected {name}"
             self.bias.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return self._matmul(x, self.bias)
-        out = self._matmul(x, None)
-        torch.distributed.all_reduce(out)
+        out = self.tp.all_reduce(self._matmul(x, None))  # [num_tokens, out_features]
         return out if self.bias is None else out + self.bias
 
 
-class MergedColumnLinear(ColumnParallelLinear):
+class MergedColumnLinear(LinearBase):
     """Several column-parallel projections of the same input in one weight.
 
     ``shard_sizes`` maps each checkpoint shard name (``q``, ``k``, ``v`` or ``gate``, ``up``) to its
-    full output width; ``load_shard`` places a checkpoint tensor in its rows.
+    full output width; ``load_shard`` places this rank's rows of a checkpoint tensor. A rank keeps an
+    even ``1 / tp.size`` of each shard, unless ``shard_ranges`` names its rows ``(first, count)``: the
+    heads of ``TensorParallel.head_ranges``, uneven or replicated.
     """
 
     def __init__(
@@ -172,31 +189,48 @@ class MergedColumnLinear(ColumnParallelLinear):
         shard_sizes: dict[str, int],
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: TensorParallel = SINGLE,
+        shard_ranges: dict[str, tuple[int, int]] | None = None,
     ) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, tp_rank, tp_size)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        ranges = {name: tp.even_range(size, f"{name} features") for name, size in shard_sizes.items()}
+        ranges |= shard_ranges or {}
+        offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for shard_name, size in shard_sizes.items():
-            local = size // tp_size
-            self.shard_offsets[shard_name] = (offset, local)
-            offset += local
+        for shard_name, (_, count) in ranges.items():
+            offsets[shard_name] = (offset, count)
+            offset += count
+        super().__init__(in_features, offset, bias, dtype)
+        self.shard_ranges = ranges
+        self.full_sizes = dict(shard_sizes)
+        self.shard_offsets = offsets
+        self.tp = tp
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
 
     def load_shard(self, shard_name: str, param_name: str, tensor: torch.Tensor) -> None:
         offset, size = self.shard_offsets[shard_name]
         target = self.weight if param_name == "weight" else self.bias
         assert target is not None, f"unexpected {param_name}"
-        target.data.narrow(0, offset, size).copy_(_shard(tensor, 0, self.tp_rank, self.tp_size))
+        target.data.narrow(0, offset, size).copy_(_shard(tensor, 0, self.shard_ranges[shard_name]))
 
     def load_fused(self, param_name: str, tensor: torch.Tensor) -> None:
         """Load a checkpoint tensor that already holds every shard stacked (Phi-3's qkv_proj)."""
-        full_sizes = [size * self.tp_size for _, size in self.shard_offsets.values()]
+        full_sizes = list(self.full_sizes.values())
         if tensor.shape[0] != sum(full_sizes):
             raise ValueError(f"fused {param_name} has {tensor.shape[0]} rows, expected {sum(full_sizes)}")
-        for shard_name, part in zip(self.shard_offsets, tensor.split(full_sizes, dim=0)):
+        for shard_name, part in zip(self.full_sizes, tensor.split(full_sizes, dim=0)):
             self.load_shard(shard_name, param_name, part)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Cut this layer's output back into its shards, in construction order."""
         return list(out.split([size for _, size in self.shard_offsets.values()], dim=-1))
+
+
+def head_rows(
+    first_q: int, num_q: int, first_kv: int, num_kv: int, head_dim: int
+) -> dict[str, tuple[int, int]]:
+    """A merged QKV layer's ``shard_ranges`` for the heads ``TensorParallel.head_ranges`` gave."""
+    kv = (first_kv * head_dim, num_kv * head_dim)
+    return {"q": (first_q * head_dim, num_q * head_dim), "k": kv, "v": kv}

@@ -25,9 +25,10 @@ from torch import nn
 from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
-from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
+from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear, head_rows
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, get_rope
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights
 from tokenmill.step_control import LayerProgress
@@ -108,24 +109,43 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 class Gemma3Attention(nn.Module):
     def __init__(
-        self, args: Gemma3Args, rotary: RotaryEmbedding, sliding_window: int | None, dtype: torch.dtype
+        self,
+        args: Gemma3Args,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
+        # This rank's heads (``TensorParallel.kv_heads``: KV heads split, or replicated when fewer).
+        (first_q, self.num_heads), (first_kv, self.num_kv_heads) = tp.head_ranges(
+            args.num_heads, args.num_kv_heads
+        )
+        self.head_dim = head_dim = args.head_dim
         self.sliding_window = sliding_window
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = MergedColumnLinear(
-            args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.attention_bias, dtype=dtype
+            args.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=args.attention_bias,
+            dtype=dtype,
+            tp=tp,
+            shard_ranges=head_rows(first_q, self.num_heads, first_kv, self.num_kv_heads, head_dim),
         )
-        self.o_proj = RowParallelLinear(q_size, args.hidden_size, bias=args.attention_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            q_size,
+            args.hidden_size,
+            bias=args.attention_bias,
+            dtype=dtype,
+            tp=tp,
+            in_range=(first_q * head_dim, self.num_heads * head_dim),
+        )
         self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.rotary = rotary  # shared by every layer of the same type
         backend = select_backend(torch.get_default_device(), dtype)
         self.attn = backend(
-            args.num_heads, args.num_kv_heads, args.head_dim, args.query_pre_attn_scalar**-0.5
+            self.num_heads, self.num_kv_heads, args.head_dim, args.query_pre_attn_scalar**-0.5
         )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, layer_index: int) -> torch.Tensor:
@@ -145,13 +165,15 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, args: Gemma3Args, dtype: torch.dtype) -> None:
+    def __init__(self, args: Gemma3Args, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if args.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"Gemma 3 with hidden_activation {args.hidden_act!r} is not supported")
         size = args.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(args.hidden_size, {"gate": size, "up": size}, dtype=dtype)
-        self.down_proj = RowParallelLinear(size, args.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = MergedColumnLinear(
+            args.hidden_size, {"gate": size, "up": size}, dtype=dtype, tp=tp
+        )
+        self.down_proj = RowParallelLinear(size, args.hidden_size, bias=False, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [num_tokens, intermediate] each
@@ -162,15 +184,20 @@ class Gemma3DecoderLayer(nn.Module):
     """Norms on both sides of each sub-layer: ``x + post(sub(pre(x)))`` for attention, then MLP."""
 
     def __init__(
-        self, args: Gemma3Args, layer_index: int, rotary: RotaryEmbedding, dtype: torch.dtype
+        self,
+        args: Gemma3Args,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         eps = args.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.self_attn = Gemma3Attention(args, rotary, args.window_of(layer_index), dtype)
+        self.self_attn = Gemma3Attention(args, rotary, args.window_of(layer_index), dtype, tp)
         self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
-        self.mlp = Gemma3MLP(args, dtype)
+        self.mlp = Gemma3MLP(args, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, layer_index: int) -> torch.Tensor:
@@ -187,11 +214,12 @@ class Gemma3ForCausalLM(CausalLM):
     ``compute_logits`` projects only the rows the caller needs and applies the final soft-cap.
     """
 
-    def __init__(self, config, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         args = Gemma3Args.from_hf(config)
         self.args = args
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype)
+        self.tp = tp  # this rank's place in its tensor-parallel group (SINGLE: the whole model)
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype, tp)
         # transformers multiplies by sqrt(hidden_size) after rounding it to the weight dtype.
         self.embed_scale = float(torch.tensor(args.hidden_size**0.5).to(dtype))
         ropes = {
@@ -200,11 +228,14 @@ class Gemma3ForCausalLM(CausalLM):
         }
         self.rotary = nn.ModuleDict(ropes)
         self.layers = nn.ModuleList(
-            [Gemma3DecoderLayer(args, i, ropes[args.layer_types[i]], dtype) for i in range(args.num_layers)]
+            [
+                Gemma3DecoderLayer(args, i, ropes[args.layer_types[i]], dtype, tp)
+                for i in range(args.num_layers)
+            ]
         )
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
-        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
+        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied, tp=tp)
 
     @property
     def sliding_window(self) -> int | None:
@@ -218,7 +249,8 @@ class Gemma3ForCausalLM(CausalLM):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.args.num_kv_heads
+        """The KV heads this rank caches (all of them with one rank)."""
+        return self.tp.head_ranges(self.args.num_heads, self.args.num_kv_heads)[1][1]
 
     @property
     def head_dim(self) -> int:

@@ -19,9 +19,10 @@ from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_decode_stack import FusedDecodeStack, LlamaLayerParts
-from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
+from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear, head_rows
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import get_rope
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights
 from tokenmill.step_control import LayerProgress
@@ -91,22 +92,40 @@ def _activation(name: str):  # type: ignore[no-untyped-def]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype) -> None:
+    """Self-attention over this rank's query heads and the KV heads they read (all of them on one
+    rank; under tensor parallelism a slice, or one replicated head: ``TensorParallel.kv_heads``)."""
+
+    def __init__(
+        self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
+        (first_q, self.num_heads), (first_kv, self.num_kv_heads) = tp.head_ranges(
+            args.num_heads, args.num_kv_heads
+        )
+        self.head_dim = head_dim = args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = MergedColumnLinear(
-            args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.qkv_bias, dtype=dtype
+            args.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=args.qkv_bias,
+            dtype=dtype,
+            tp=tp,
+            shard_ranges=head_rows(first_q, self.num_heads, first_kv, self.num_kv_heads, head_dim),
         )
-        self.o_proj = RowParallelLinear(q_size, args.hidden_size, bias=args.o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            q_size,
+            args.hidden_size,
+            bias=args.o_bias,
+            dtype=dtype,
+            tp=tp,
+            in_range=(first_q * head_dim, self.num_heads * head_dim),
+        )
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary = rotary  # shared by every layer
         # The model is built under `with torch.device(...)`, so the default device is the target one.
         backend = select_backend(torch.get_default_device(), dtype)
-        self.attn = backend(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
+        self.attn = backend(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, layer_index: int) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -125,13 +144,19 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """The gated MLP; ``intermediate_size`` overrides the config's (MoE shared experts, dense layers)."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
+    def __init__(
+        self,
+        args: LlamaArgs,
+        dtype: torch.dtype,
+        intermediate_size: int | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         size = intermediate_size or args.intermediate_size
         self.gate_up_proj = MergedColumnLinear(
-            args.hidden_size, {"gate": size, "up": size}, bias=args.mlp_bias, dtype=dtype
+            args.hidden_size, {"gate": size, "up": size}, bias=args.mlp_bias, dtype=dtype, tp=tp
         )
-        self.down_proj = RowParallelLinear(size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, args.hidden_size, bias=args.mlp_bias, dtype=dtype, tp=tp)
         self.act = _activation(args.hidden_act)
         self.hidden_act = args.hidden_act
 
@@ -148,13 +173,18 @@ class LlamaDecoderLayer(nn.Module):
     (a mixture-of-experts block in the MoE families), a ``LlamaMLP`` when not given."""
 
     def __init__(
-        self, args: LlamaArgs, rotary: nn.Module, dtype: torch.dtype, mlp: nn.Module | None = None
+        self,
+        args: LlamaArgs,
+        rotary: nn.Module,
+        dtype: torch.dtype,
+        mlp: nn.Module | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = LlamaAttention(args, rotary, dtype)
+        self.self_attn = LlamaAttention(args, rotary, dtype, tp)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(args, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(args, dtype, tp=tp)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, layer_index: int
@@ -194,27 +224,29 @@ class LlamaForCausalLM(CausalLM):
     of a small model's time would otherwise go.
     """
 
-    def __init__(self, config, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         args = LlamaArgs.from_hf(config)
         self.args = args
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype)
+        self.tp = tp  # this rank's place in its tensor-parallel group (SINGLE: the whole model)
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype, tp)
         self.rotary = get_rope(config, args.head_dim)
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(args, self.rotary, dtype, self.build_mlp(config, args, index, dtype))
+                LlamaDecoderLayer(args, self.rotary, dtype, self.build_mlp(config, args, index, dtype), tp)
                 for index in range(args.num_layers)
             ]
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
-        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
+        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied, tp=tp)
         # The fused CPU decoder stack over all layers, when they fit it (see prepare_for_inference).
         self.decode_stack: FusedDecodeStack | None = None
 
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
-        """The feed-forward of layer ``layer_index``; mixture-of-experts families override this."""
-        return LlamaMLP(args, dtype)
+        """The feed-forward of layer ``layer_index`` (sharded over ``self.tp``); mixture-of-experts
+        families override this."""
+        return LlamaMLP(args, dtype, tp=self.tp)
 
     @property
     def sliding_window(self) -> int | None:
@@ -223,7 +255,8 @@ class LlamaForCausalLM(CausalLM):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.args.num_kv_heads
+        """The KV heads this rank caches (all of them with one rank)."""
+        return self.tp.head_ranges(self.args.num_heads, self.args.num_kv_heads)[1][1]
 
     @property
     def head_dim(self) -> int:
@@ -238,6 +271,9 @@ class LlamaForCausalLM(CausalLM):
         the model runner calls this once the weights are final."""
         args = self.args
         parts = [cast(LlamaDecoderLayer, layer).fused_stack_parts() for layer in self.layers]
+        if self.tp.size > 1:  # its C++ loop has no collectives; the layers run one by one
+            self.decode_stack = None
+            return
         shape = (args.num_heads, args.num_kv_heads, args.head_dim)
         self.decode_stack = FusedDecodeStack.build(parts, self.norm.weight, shape, args.rms_norm_eps)
 

@@ -30,7 +30,13 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
         route = functools.partial(topk_then_softmax, top_k=config.num_experts_per_tok)
         return SparseMoeBlock(
-            args.hidden_size, config.num_local_experts, args.intermediate_size, args.hidden_act, route, dtype
+            args.hidden_size,
+            config.num_local_experts,
+            args.intermediate_size,
+            args.hidden_act,
+            route,
+            dtype,
+            tp=self.tp,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

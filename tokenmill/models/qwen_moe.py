@@ -31,9 +31,9 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
 
     def build_mlp(self, config, args: LlamaArgs, layer_index: int, dtype: torch.dtype) -> nn.Module:  # type: ignore[no-untyped-def]
         if not is_sparse_layer(config, layer_index):
-            return LlamaMLP(args, dtype)
+            return LlamaMLP(args, dtype, tp=self.tp)
         shared_size = getattr(config, "shared_expert_intermediate_size", None)
-        shared = LlamaMLP(args, dtype, intermediate_size=shared_size) if shared_size else None
+        shared = LlamaMLP(args, dtype, intermediate_size=shared_size, tp=self.tp) if shared_size else None
         route = functools.partial(
             softmax_then_topk, top_k=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob)
         )
@@ -45,6 +45,7 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
             route,
             dtype,
             shared_expert=shared,
+            tp=self.tp,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

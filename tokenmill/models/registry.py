@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.gpt_oss import GptOssForCausalLM
@@ -66,3 +68,9 @@ def resolve_model_class(config) -> type[CausalLM]:  # type: ignore[no-untyped-de
         f"no native implementation for architecture(s) {architectures or [config.model_type]}; "
         f"supported: {sorted(NATIVE_MODELS)}"
     )
+
+
+def takes_tensor_parallel(model_class: type[CausalLM]) -> bool:
+    """Whether the native class shards itself across tensor-parallel ranks (its constructor takes
+    ``tp``); the others run with ``tensor_parallel_size=1`` only."""
+    return "tp" in inspect.signature(model_class).parameters

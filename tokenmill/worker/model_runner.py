@@ -2,6 +2,10 @@
 
 The runner owns the device state: model weights, the paged KV cache tensors and per-request seeded
 generators. It sees only block tables and slot mappings, never the allocator.
+
+Under tensor parallelism (``tp``) each rank's runner holds its shard of the weights and a KV cache of
+its heads, and runs every plan's forward (the layers' collectives keep the ranks in step); only
+rank 0 gets the full logits and samples, so only its output carries tokens.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.loader import ModelSource
 from tokenmill.loader.progress import iter_with_progress
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.base import CausalLM
-from tokenmill.models.registry import choose_model_impl, resolve_model_class
+from tokenmill.models.registry import choose_model_impl, resolve_model_class, takes_tensor_parallel
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import (
     RowSamplingInput,
@@ -44,7 +49,7 @@ from tokenmill.sample.build import (
 )
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
 from tokenmill.spec.proposer import Proposer, make_proposer
-from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress, StepControl
+from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.kv_cache import (
     IdlePrefaulter,
@@ -55,6 +60,7 @@ from tokenmill.worker.kv_cache import (
 )
 from tokenmill.worker.spec_step import draft_contexts, verify_entries
 from tokenmill.worker.state_cache import StateCache
+from tokenmill.worker.tp_step_control import step_control_for
 from tokenmill.worker.weight_update import WeightUpdater, drop_derived_weights
 
 logger = logging.getLogger(__name__)
@@ -83,8 +89,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """Loads the model, owns the KV cache tensors and executes scheduled steps."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, tp: TensorParallel = SINGLE) -> None:
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.model.device)
         self.dtype = resolve_dtype("float32" if config.rl_exact_logprobs else config.model.dtype, self.device)
         self.block_size = config.cache.block_size
@@ -99,6 +106,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.model_impl = choose_model_impl(source.hf_config, config.model.model_impl)
         self.model: CausalLM
+        if self.model_impl == "transformers" and tp.size > 1:
+            raise ValueError(
+                "tensor parallelism needs a native model implementation; the transformers fallback "
+                f"runs {source.hf_config.architectures} unsharded (use tensor_parallel_size=1)"
+            )
         if self.model_impl == "transformers":
             # Imported here: transformers' modelling machinery takes seconds to import.
             from tokenmill.models.transformers_fallback import load_transformers_model
@@ -114,14 +126,23 @@ class ModelRunner:
             description = f"transformers {type(self.model.hf_model).__name__} over paged attention"
         else:
             model_class = resolve_model_class(source.hf_config)
+            sharded = takes_tensor_parallel(model_class)
+            if tp.size > 1 and not sharded:
+                raise ValueError(
+                    f"tensor parallelism is not supported for {model_class.__name__} yet; "
+                    "run it with tensor_parallel_size=1"
+                )
             with torch.device(self.device):
-                self.model = model_class(source.hf_config, self.dtype)
+                shard = {"tp": tp} if sharded else {}
+                self.model = model_class(source.hf_config, self.dtype, **shard)  # type: ignore[call-arg]
             self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized, exact_int4, exact_q8 = self._derive_weights()
-            description = f"native {model_class.__name__}" + (
-                f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
+            description = (
+                f"native {model_class.__name__}"
+                + (f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
+                + (f", {config.model.quantization} weights in {quantized} layers" if quantized else "")
             )
             if exact_int4:
                 description += f", the int4 kernel on {exact_int4} exactly 4-bit layers (lossless)"
@@ -266,6 +287,8 @@ class ModelRunner:
             raise ValueError("weight updates need model_impl='native' (the transformers fallback has none)")
         if self.lora is not None:
             raise ValueError("weight updates with LoRA enabled are not supported yet")
+        if self.tp.size > 1:
+            raise ValueError("weight updates with tensor parallelism are not supported yet")
         if self._released_weights is not None:
             raise ValueError("the weights are released; resume_memory_occupation first")
 
@@ -291,6 +314,8 @@ class ModelRunner:
     ) -> None:
         """Join the trainer's weight-broadcast group (``open_weight_group``) as rank ``rank_offset``
         (this runner is the executor's only rank)."""
+        if self.tp.size > 1:
+            raise ValueError("weight-update groups with tensor parallelism are not supported yet")
         self.weights.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
@@ -468,7 +493,7 @@ class ModelRunner:
             raise RuntimeError("a pausable step was sent while another paused step is kept")
         batch, sample_entries, prompt_rows = self._build_batch(plan.scheduled)
         if (plan.interruptible or plan.pausable) and self.interrupt is not None:
-            batch.control = StepControl(self.interrupt, self.interrupt_tensor)
+            batch.control = step_control_for(self.interrupt, self.interrupt_tensor, self.tp)
         return self._finish(SuspendedStep(plan, batch, sample_entries, prompt_rows))
 
     @torch.inference_mode()
@@ -500,6 +525,8 @@ class ModelRunner:
             return ModelRunnerOutput(status=StepStatus.PAUSED, layers_done=step.fraction_done)
         batch.resume_from = None
         output = ModelRunnerOutput()
+        if not self.tp.is_first:  # rank 0 got the full logits and samples; this rank is done
+            return output
         num_sampling = sum(1 + len(entry.draft_token_ids) for entry in sample_entries)
         if num_sampling:
             self._sample(logits[:num_sampling], sample_entries, output, step.plan.grammar_bitmask)

@@ -205,9 +205,9 @@ def test_tiny_qwen3_moe_with_whole_experts_per_rank(tmp_path_factory: pytest.Tem
 def test_experts_split_whole_or_by_features() -> None:
     from tokenmill.layers.fused_moe import FusedExperts
 
-    whole = FusedExperts(6, 8, 4, "silu", torch.float32, TensorParallel(1, 2, expert_parallel=True))
+    whole = FusedExperts(6, 8, 4, "silu", torch.float32, tp=TensorParallel(1, 2, expert_parallel=True))
     assert (whole.first_expert, whole.num_local_experts, tuple(whole.w13.shape)) == (3, 3, (3, 8, 8))
-    sliced = FusedExperts(6, 8, 4, "silu", torch.float32, TensorParallel(1, 2))
+    sliced = FusedExperts(6, 8, 4, "silu", torch.float32, tp=TensorParallel(1, 2))
     assert (sliced.num_local_experts, tuple(sliced.w13.shape), tuple(sliced.w2.shape)) == (
         6,
         (6, 4, 8),

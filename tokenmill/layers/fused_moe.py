@@ -79,8 +79,8 @@ class FusedExperts(nn.Module):
         intermediate_size: int,
         hidden_act: str,
         dtype: torch.dtype,
-        bias: bool = False,
         tp: TensorParallel = SINGLE,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts

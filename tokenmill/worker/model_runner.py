@@ -128,6 +128,11 @@ class ModelRunner:
             self.model.eval()
             quantized, exact_int4, exact_q8 = self._derive_weights()
             if config.deterministic:
+                if self.model.kv_cache_spec.num_planes != 2:
+                    raise ValueError(
+                        f"the deterministic mode does not support {model_class.__name__}'s latent KV cache "
+                        "(multi-head latent attention) yet"
+                    )
                 use_deterministic_attention(self.model)
             description = f"native {model_class.__name__}" + (
                 f", {config.model.quantization} weights in {quantized} layers" if quantized else ""
@@ -157,17 +162,17 @@ class ModelRunner:
             else select_backend(self.device, self.dtype, kv_dtype)
         )
         self.num_blocks = self._kv_pool_blocks(config, source, kv_dtype)
+        kv_spec = self.model.kv_cache_spec
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
-            self.model.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype
+            self.model.num_layers,
+            self.block_size,
+            kv_spec.num_kv_heads,
+            kv_spec.head_dim,
+            kv_dtype,
+            kv_spec.num_planes,
         )
         self.kv_caches = allocate_kv_caches(
-            self.num_blocks,
-            num_layers=self.model.num_layers,
-            block_size=self.block_size,
-            num_kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim,
-            dtype=kv_dtype,
-            device=self.device,
+            self.num_blocks, dtype=kv_dtype, device=self.device, **self._kv_shape()
         )
         # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault), a
         # few steps' worth of blocks beyond the highest one written: resident memory follows use.
@@ -335,13 +340,7 @@ class ModelRunner:
             self.weights.reload()
         if kv_cache and not self.kv_caches:
             self.kv_caches = allocate_kv_caches(
-                self.num_blocks,
-                num_layers=self.model.num_layers,
-                block_size=self.block_size,
-                num_kv_heads=self.model.num_kv_heads,
-                head_dim=self.model.head_dim,
-                dtype=self._kv_dtype,
-                device=self.device,
+                self.num_blocks, dtype=self._kv_dtype, device=self.device, **self._kv_shape()
             )
 
     def _make_lora(self, config: EngineConfig) -> LoRAManager | None:
@@ -385,16 +384,9 @@ class ModelRunner:
         cache = config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        model = self.model
         if cache.kv_cache_memory is not None:
             return num_blocks_for_budget(
-                cache.kv_cache_memory,
-                self.device,
-                num_layers=model.num_layers,
-                block_size=self.block_size,
-                num_kv_heads=model.num_kv_heads,
-                head_dim=model.head_dim,
-                dtype=kv_dtype,
+                cache.kv_cache_memory, self.device, dtype=kv_dtype, **self._kv_shape()
             )
         # The context window as the engine core will set it (before the pool caps it).
         model_limit = int(getattr(source.hf_config, "max_position_embeddings", 0) or 0) or 2048
@@ -403,12 +395,20 @@ class ModelRunner:
             config.scheduler.max_num_seqs * window,
             cache.kv_cache_memory_fraction,
             self.device,
-            num_layers=model.num_layers,
-            block_size=self.block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
             dtype=kv_dtype,
+            **self._kv_shape(),
         )
+
+    def _kv_shape(self) -> dict[str, int]:
+        """The cache's shape as ``worker/kv_cache.py`` takes it, from the model's ``kv_cache_spec``."""
+        spec = self.model.kv_cache_spec
+        return {
+            "num_layers": self.model.num_layers,
+            "block_size": self.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "num_planes": spec.num_planes,
+        }
 
     def prefault_while_idle(self) -> bool:
         """Map the next few KV blocks' pages (``IdlePrefaulter.step``); whether more remain."""

@@ -1,0 +1,171 @@
+"""DeepSeek-V3 (multi-head latent attention over a latent cache, DeepSeekMoE) against transformers.
+
+Two tiny random configs in float32, three layers (the first dense), eight routed experts plus a
+shared one: one with a low-rank query (``q_lora_rank``), interleaved rotary dims and YaRN scaling
+(``mscale_all_dim`` changes the softmax scale), four expert groups of which two are kept; the other
+with a direct ``q_proj``, plain RoPE in rotate-half layout, two groups of which one is kept and
+unnormalised top-k weights. Both must give transformers' greedy tokens and logprobs through chunked
+prefill, prefix-cache hits and preemption, and the cache must hold one latent row per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tests.conftest import TinyModel, TinySpec, save_tiny_model
+from tests.models.test_llama_family import as_inputs, assert_position_logprobs, greedy, tiny_prompts
+from tokenmill import LLM
+from tokenmill.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+from tokenmill.models.llama import LlamaMLP
+from tokenmill.models.registry import resolve_model_class
+
+KV_LORA_RANK, ROPE_DIM = 32, 16
+COMMON: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": KV_LORA_RANK,
+    "qk_rope_head_dim": ROPE_DIM,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 24,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+}
+DEEPSEEK_SPECS = {
+    "q-lora-yarn": TinySpec(
+        "deepseek_v3",
+        "DeepseekV3Config",
+        {
+            **COMMON,
+            "q_lora_rank": 48,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": True,
+            "rope_interleave": True,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+    ),
+    "q-proj-plain-rope": TinySpec(
+        "deepseek_v3",
+        "DeepseekV3Config",
+        {
+            **COMMON,
+            "q_lora_rank": None,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "rope_interleave": False,
+        },
+    ),
+}
+NUM_NEW = 12
+# As in test_moe.py, these random routers give large logits, where float32 rounding alone moves a
+# logprob past 1e-4: against transformers in float64, its own float32 logprobs differ by up to
+# 1.6e-4 (q-lora-yarn) and 1.0e-4, ours by 1.8e-4 and 0.8e-4. A wrong expert or scale moves far more.
+LOGPROB_TOL = 5e-4
+
+
+@pytest.fixture(scope="module", params=sorted(DEEPSEEK_SPECS))
+def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    spec = DEEPSEEK_SPECS[request.param]
+    folder = str(tmp_path_factory.mktemp(f"tiny-deepseek-{request.param}"))
+    hf = save_tiny_model(spec, seed=51 + sorted(DEEPSEEK_SPECS).index(request.param), folder=folder)
+    hf.generation_config.eos_token_id = None
+    return TinyModel(arch=request.param, path=folder, hf=hf)
+
+
+def make_llm(model: TinyModel, **kwargs: Any) -> LLM:
+    # Chunks of at most 16 tokens: the longer prompts are prefilled in several steps.
+    options: dict[str, Any] = {"block_size": 4, "num_blocks": 128, "max_num_batched_tokens": 16}
+    return LLM(model.path, dtype="float32", **{**options, **kwargs})
+
+
+def test_layers_and_latent_cache_layout(deepseek: TinyModel) -> None:
+    llm = make_llm(deepseek)
+    runner = llm.engine.executor.runner
+    model = runner.model
+    assert isinstance(model, DeepseekV3ForCausalLM)
+    assert [type(layer.mlp) for layer in model.layers] == [LlamaMLP, DeepseekV3MoE, DeepseekV3MoE]
+    width = KV_LORA_RANK + ROPE_DIM
+    assert all(tuple(cache.shape) == (1, 128, 4, 1, width) for cache in runner.kv_caches)
+    # KV bytes per token: one latent row per layer, not 2 x heads x head_dim.
+    assert runner.kv_cache_bytes == 128 * 4 * 3 * width * 4
+    per_head_bytes = 128 * 4 * 3 * 2 * 4 * (32 + ROPE_DIM) * 4  # keys and values of 4 heads
+    assert runner.kv_cache_bytes * 8 == per_head_bytes
+
+
+def test_greedy_and_logprobs_match_transformers(deepseek: TinyModel) -> None:
+    llm = make_llm(deepseek)
+    prompts = tiny_prompts()
+    num_top = 4
+    outputs = llm.generate(as_inputs(prompts), greedy(NUM_NEW, logprobs=num_top), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        assert completion.token_ids == deepseek.greedy(prompt, NUM_NEW), f"prompt of {len(prompt)} tokens"
+        reference = deepseek.log_softmax(prompt + completion.token_ids)
+        assert completion.logprobs is not None
+        for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert_position_logprobs(entry, reference[len(prompt) - 1 + j], token, num_top, LOGPROB_TOL)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(deepseek: TinyModel) -> None:
+    llm = make_llm(deepseek)
+    shared = tiny_prompts()[-1][:17]  # four full blocks and one more token
+    prompts = [shared + [5 + k] * k for k in range(1, 4)]
+    first = llm.generate(as_inputs([shared]), greedy(NUM_NEW), use_tqdm=False)
+    rest = llm.generate(as_inputs(prompts), greedy(NUM_NEW), use_tqdm=False)
+    assert first[0].outputs[0].token_ids == deepseek.greedy(shared, NUM_NEW)
+    assert [o.num_cached_tokens for o in rest] == [16] * len(prompts)
+    for prompt, output in zip(prompts, rest):
+        assert output.outputs[0].token_ids == deepseek.greedy(prompt, NUM_NEW)
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs_exact(deepseek: TinyModel) -> None:
+    # 14 blocks of 4 tokens: the longest request (41 + 12 tokens) fits alone, the batch does not.
+    llm = make_llm(deepseek, num_blocks=14)
+    prompts = tiny_prompts()
+    outputs = llm.generate(as_inputs(prompts), greedy(NUM_NEW), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [deepseek.greedy(p, NUM_NEW) for p in prompts]
+
+
+def test_deterministic_mode_refuses_the_latent_cache(deepseek: TinyModel) -> None:
+    with pytest.raises(ValueError, match="deterministic mode does not support DeepseekV3ForCausalLM"):
+        LLM(deepseek.path, dtype="float32", block_size=4, num_blocks=32, deterministic=True)
+
+
+def test_deepseek_v32_names_the_transformers_fallback() -> None:
+    config = transformers.DeepseekV3Config(architectures=["DeepseekV32ForCausalLM"])
+    with pytest.raises(ValueError, match="sparse attention.*--model-impl transformers"):
+        resolve_model_class(config)
+
+
+def test_router_keeps_float32_under_bfloat16() -> None:
+    config = transformers.DeepseekV3Config(
+        hidden_size=16,
+        moe_intermediate_size=8,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+    )
+    moe = DeepseekV3MoE(config, torch.bfloat16).to(torch.bfloat16)
+    assert moe.gate.weight.dtype == torch.float32
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.experts.w13.dtype == torch.bfloat16

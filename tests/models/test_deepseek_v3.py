@@ -10,6 +10,8 @@ prefill, prefix-cache hits and preemption, and the cache must hold one latent ro
 
 from __future__ import annotations
 
+import json
+import shutil
 from typing import Any
 
 import pytest
@@ -169,3 +171,22 @@ def test_router_keeps_float32_under_bfloat16() -> None:
     assert moe.gate.weight.dtype == torch.float32
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
     assert moe.experts.w13.dtype == torch.bfloat16
+
+
+def test_kimi_k2_config_loads_as_deepseek_v3(deepseek: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Kimi K2's config.json: model_type kimi_k2 (remote code transformers does not ship) over the
+    # DeepseekV3ForCausalLM architecture; it must load natively without trusting remote code.
+    folder = tmp_path / "kimi-k2"
+    shutil.copytree(deepseek.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = make_llm(deepseek.__class__(arch="kimi_k2", path=str(folder), hf=deepseek.hf))
+    assert isinstance(llm.engine.executor.runner.model, DeepseekV3ForCausalLM)
+    prompt = tiny_prompts()[3]
+    output = llm.generate(as_inputs([prompt]), greedy(NUM_NEW), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == deepseek.greedy(prompt, NUM_NEW)

@@ -28,8 +28,19 @@ def is_hf_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json"))
 
 
+# Model types whose config.json names remote code that transformers does not ship, mapped to the
+# built-in config class of the same architecture (Kimi K2 is DeepSeek-V3's architecture).
+CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
 def load_config(folder: str) -> transformers.PretrainedConfig:
-    """The model's config from ``config.json``; remote code is never trusted here."""
+    """The model's config from ``config.json``; remote code is never trusted here. A model type in
+    ``CONFIG_ALIASES`` is read with its architecture's built-in config class."""
+    with open(os.path.join(folder, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in CONFIG_ALIASES:
+        config_class = transformers.CONFIG_MAPPING[CONFIG_ALIASES[model_type]]
+        return config_class.from_pretrained(folder, local_files_only=True)
     return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
 
 

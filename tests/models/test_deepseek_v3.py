@@ -190,3 +190,94 @@ def test_kimi_k2_config_loads_as_deepseek_v3(deepseek: TinyModel, tmp_path) -> N
     prompt = tiny_prompts()[3]
     output = llm.generate(as_inputs([prompt]), greedy(NUM_NEW), use_tqdm=False)[0]
     assert output.outputs[0].token_ids == deepseek.greedy(prompt, NUM_NEW)
+
+
+FP8_BLOCK = (32, 32)  # DeepSeek's releases use 128 x 128; the tiny layers need smaller blocks
+
+
+def _quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as float8_e4m3fn with one float32 scale per block (edge blocks partial)."""
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // FP8_BLOCK[0]), -(-in_features // FP8_BLOCK[1])
+    scales = torch.empty(rows, cols)
+    quantized = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn)
+    for r in range(rows):
+        for c in range(cols):
+            rs = slice(r * FP8_BLOCK[0], (r + 1) * FP8_BLOCK[0])
+            cs = slice(c * FP8_BLOCK[1], (c + 1) * FP8_BLOCK[1])
+            scales[r, c] = weight[rs, cs].abs().max() / 448.0
+            quantized[rs, cs] = (weight[rs, cs] / scales[r, c]).to(torch.float8_e4m3fn)
+    return quantized, scales
+
+
+def test_fp8_block_checkpoint_is_dequantized_on_load(deepseek: TinyModel, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint in DeepSeek's fp8 format (fp8 projection weights, ``weight_scale_inv`` per block,
+    ``quantization_config.weight_block_size``) loads with each weight dequantized: greedy tokens equal
+    transformers' over the dequantized weights, and the memory it needs is logged."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(deepseek.path, folder)
+    state = load_file(str(folder / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        is_projection = name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+        if is_projection and tensor.dim() == 2:
+            weight, scales = _quantize_fp8_blocks(tensor)
+            quantized[name], quantized[name + "_scale_inv"] = weight, scales
+            rows = scales.repeat_interleave(FP8_BLOCK[0], 0)[: tensor.shape[0]]
+            dequantized[name] = weight.float() * rows.repeat_interleave(FP8_BLOCK[1], 1)[:, : tensor.shape[1]]
+        else:
+            quantized[name] = dequantized[name] = tensor
+    # Two shards: the first holds the scales of layers 1 and 2, so those arrive before their weights
+    # (a shard lists its tensors sorted, so layer 0's weights come before their scales).
+    early = {n for n in quantized if n.endswith("_scale_inv") and ".layers.0." not in n}
+    shards = {
+        "model-00001-of-00002.safetensors": early,
+        "model-00002-of-00002.safetensors": set(quantized) - early,
+    }
+    (folder / "model.safetensors").unlink()
+    for shard, names in shards.items():
+        save_file({n: quantized[n].contiguous() for n in names}, str(folder / shard))
+    weight_map = {n: shard for shard, names in shards.items() for n in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(FP8_BLOCK),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    num_fp8 = sum(1 for n in quantized if n.endswith("_scale_inv"))
+    assert num_fp8 > 20
+
+    plain = tmp_path / "dequantized"  # the same weights in float32, for transformers
+    shutil.copytree(deepseek.path, plain)
+    save_file(dequantized, str(plain / "model.safetensors"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    fp8_model = TinyModel(arch="fp8", path=str(folder), hf=reference)
+    with caplog.at_level("WARNING", logger="tokenmill.loader.fp8_blocks"):
+        llm = make_llm(fp8_model)
+    assert f"dequantizing {num_fp8} fp8 weights" in caplog.text
+    assert "GB in bfloat16" in caplog.text
+    prompts = tiny_prompts()[2:4]
+    outputs = llm.generate(as_inputs(prompts), greedy(NUM_NEW), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == fp8_model.greedy(prompt, NUM_NEW)
+    # The fp8 rounding changed the weights: the reference is not the original model.
+    assert not torch.equal(
+        dequantized["model.layers.0.self_attn.o_proj.weight"], state["model.layers.0.self_attn.o_proj.weight"]
+    )
+
+
+def test_fp8_stream_rejects_a_weight_without_its_scale() -> None:
+    from tokenmill.loader.fp8_blocks import dequantize_stream
+
+    weight = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="without their weight or scale.*a.weight"):
+        list(dequantize_stream([("a.weight", weight)], (2, 2)))
+    with pytest.raises(ValueError, match="needs scales of shape \\(2, 2\\), got \\(1, 1\\)"):
+        list(dequantize_stream([("a.weight", weight), ("a.weight_scale_inv", torch.ones(1, 1))], (2, 2)))

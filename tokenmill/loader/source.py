@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from tokenmill.config import gguf_conversion_enabled
-from tokenmill.loader import converted_cache, gguf_loader, hf_loader
+from tokenmill.loader import converted_cache, fp8_blocks, gguf_loader, hf_loader
 from tokenmill.loader.bundled import BUNDLED_MODELS, bundled_names, locate_bundled
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,19 @@ class ModelSource:
         """
         if self.format == "gguf":
             return gguf_loader.iter_weights(self.path, self.hf_config)
+        block = fp8_blocks.fp8_block_size(self.hf_config)
+        if block is not None:  # fp8 block-quantized: dequantized as it streams (fp8_blocks.py)
+            fp8_blocks.log_memory_needed(hf_loader.weight_files(self.path)[1], block)
+            return fp8_blocks.dequantize_stream(hf_loader.iter_weights(self.path), block)
         return hf_loader.iter_weights(self.path)
 
     def num_weight_tensors(self) -> int:
         """How many tensors ``iter_weights`` yields (for progress reporting)."""
         if self.format == "gguf":
             return gguf_loader.num_weight_tensors(self.path)
+        if fp8_blocks.fp8_block_size(self.hf_config) is not None:  # the scales are not yielded
+            num_scales = fp8_blocks.describe_fp8_checkpoint(hf_loader.weight_files(self.path)[1])[2]
+            return hf_loader.num_weight_tensors(self.path) - num_scales
         return hf_loader.num_weight_tensors(self.path)
 
 

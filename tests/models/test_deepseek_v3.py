@@ -281,3 +281,15 @@ def test_fp8_stream_rejects_a_weight_without_its_scale() -> None:
         list(dequantize_stream([("a.weight", weight)], (2, 2)))
     with pytest.raises(ValueError, match="needs scales of shape \\(2, 2\\), got \\(1, 1\\)"):
         list(dequantize_stream([("a.weight", weight), ("a.weight_scale_inv", torch.ones(1, 1))], (2, 2)))
+
+
+def test_transformers_fallback_runs_deepseek_with_narrower_values(deepseek: TinyModel) -> None:
+    # The benchmarks' baseline: transformers' DeepSeek-V3 over the paged cache, its values (24 wide)
+    # zero-padded to the keys' width (48) in a per-head cache.
+    llm = make_llm(deepseek, model_impl="transformers")
+    runner = llm.engine.executor.runner
+    assert runner.model_impl == "transformers"
+    assert tuple(runner.kv_caches[0].shape) == (2, 128, 4, 4, 32 + ROPE_DIM)
+    prompts = tiny_prompts()[1:4]
+    outputs = llm.generate(as_inputs(prompts), greedy(NUM_NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [deepseek.greedy(p, NUM_NEW) for p in prompts]

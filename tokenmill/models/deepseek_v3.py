@@ -343,34 +343,41 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.lm_head(hidden)  # [num_rows, vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into this model; returns the names used.
+        """Copy checkpoint tensors (Hugging Face names) into this model; returns the names used
+        (``load_deepseek_weights``). The multi-token-prediction layers
+        (``model.layers.{num_hidden_layers + i}``) are not part of this model and are skipped; the
+        ``mtp`` drafter loads them (``models/deepseek_mtp.py``)."""
+        return load_deepseek_weights(self, (w for w in weights if not self.is_mtp_tensor(w[0])))
 
-        Per-expert tensors are stacked into each layer's ``FusedExperts``; the dense MLPs' and shared
-        experts' gate/up go into merged projections. The multi-token-prediction layers
-        (``model.layers.{num_hidden_layers + i}``) are not part of this model and are skipped. Unknown
-        names and shape mismatches raise ValueError.
-        """
-        loaded: set[str] = set()
-        rest = load_expert_tensors(self, self._direct(weights, loaded), loaded)
-        return loaded | load_hf_weights(self, rest)
+    def is_mtp_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction layer."""
+        parts = name.removeprefix("model.").split(".")
+        return len(parts) > 2 and parts[0] == "layers" and int(parts[1]) >= self.args.num_layers
 
-    def _direct(
-        self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Load what ``load_hf_weights`` would misplace (``q_proj``, which it would merge into a QKV
-        projection); skip the MTP layers; yield the rest."""
-        modules = dict(self.named_modules())
-        for name, tensor in weights:
-            key = name.removeprefix("model.")
-            parts = key.split(".")
-            if len(parts) > 2 and parts[0] == "layers" and int(parts[1]) >= self.args.num_layers:
-                continue  # a multi-token-prediction layer
-            module_path, _, param = key.rpartition(".")
-            if module_path.endswith("self_attn.q_proj"):
-                module = modules.get(module_path)
-                if not isinstance(module, ColumnParallelLinear) or module.weight.shape != tensor.shape:
-                    raise ValueError(f"checkpoint tensor {name} does not fit this model")
-                module.load_weight(param, tensor)
-                loaded.add(name)
-                continue
+
+def load_deepseek_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors (names relative to ``module`` once a leading ``model.`` is dropped)
+    into ``module``; returns the names used. Per-expert tensors are stacked into each layer's
+    ``FusedExperts``; the dense MLPs' and shared experts' gate/up go into merged projections; a
+    ``q_proj`` (no query LoRA) loads as itself. Unknown names and shape mismatches raise ValueError."""
+    loaded: set[str] = set()
+    rest = load_expert_tensors(module, _load_q_proj(module, weights, loaded), loaded)
+    return loaded | load_hf_weights(module, rest)
+
+
+def _load_q_proj(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Load the ``self_attn.q_proj`` tensors (``load_hf_weights`` would merge them into a QKV
+    projection this model does not have); yield the rest."""
+    modules = dict(module.named_modules())
+    for name, tensor in weights:
+        module_path, _, param = name.removeprefix("model.").rpartition(".")
+        if not module_path.endswith("self_attn.q_proj"):
             yield name, tensor
+            continue
+        target = modules.get(module_path)
+        if not isinstance(target, ColumnParallelLinear) or target.weight.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name} does not fit this model")
+        target.load_weight(param, tensor)
+        loaded.add(name)

@@ -206,6 +206,10 @@ class ModelRunner:
             from tokenmill.worker.draft_model import DraftModelProposer
 
             self.proposer = DraftModelProposer(config, int(source.hf_config.vocab_size), self.num_blocks)
+        elif spec is not None and spec.method == "mtp":
+            from tokenmill.worker.mtp_proposer import MTPProposer
+
+            self.proposer = MTPProposer(config, source, self.model, self.num_blocks, kv_dtype)
         elif spec is not None:
             self.proposer = make_proposer(spec)
         self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
@@ -453,7 +457,7 @@ class ModelRunner:
         interrupt stops the forward, a stop becomes a status here: a pausable plan is kept and comes
         back ``PAUSED``, any other ``ABANDONED``."""
         batch, sample_entries, prompt_rows = step.batch, step.sample_entries, step.prompt_rows
-        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] f32 or activation dtype
+        logits = self._compute_logits(batch, step.plan.scheduled)  # [rows, vocab] f32 or activation dtype
         if isinstance(logits, LayerProgress):  # the step's control stopped the forward before a layer
             if step.plan.interruptible:
                 return ModelRunnerOutput(status=StepStatus.ABANDONED, layers_done=0.0)
@@ -474,14 +478,24 @@ class ModelRunner:
             output.prompt_logprobs[request_id] = _to_position_logprobs(ids, logprobs, ranks, num_top)
         return output
 
-    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
+    def _compute_logits(
+        self, batch: ForwardBatch, entries: list[ScheduledRequest]
+    ) -> torch.Tensor | LayerProgress:
         """Logits ``[num_logit_rows, vocab_size]`` for ``batch.logits_rows``, or the ``LayerProgress``
         where ``batch.control`` stopped the forward (``models/base.py``: native models and the
-        transformers fallback share this interface)."""
-        if self.lora is None:
+        transformers fallback share this interface). A drafter that reads the target's hidden states
+        (``mtp``) gets every row's."""
+        record = getattr(self.proposer, "record", None)
+        if self.lora is not None:
+            with self.lora.state.bound(batch.lora):
+                return self.model.forward_logits(batch)
+        if record is None:
             return self.model.forward_logits(batch)
-        with self.lora.state.bound(batch.lora):
-            return self.model.forward_logits(batch)
+        hidden = self.model(batch)  # [num_tokens, hidden_size] or LayerProgress
+        if isinstance(hidden, LayerProgress):
+            return hidden
+        record(entries, hidden)
+        return self.model.compute_logits(hidden[batch.logits_rows])
 
     def _sample(
         self,

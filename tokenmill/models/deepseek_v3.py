@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.attention.mla import MLAReferenceBackend
+from tokenmill.layers.attention import select_mla_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_moe import FusedExperts, load_expert_tensors
@@ -133,7 +133,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekV3Attention(nn.Module):
-    """Multi-head latent attention; the step's attention runs in ``MLAReferenceBackend``."""
+    """Multi-head latent attention; the step's attention runs in an MLA backend (``layers/attention/mla.py``)."""
 
     def __init__(self, args: DeepseekV3Args, rotary: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
@@ -159,7 +159,9 @@ class DeepseekV3Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear(heads * args.v_head_dim, args.hidden_size, bias=bias, dtype=dtype)
         self.rotary = rotary  # shared by every layer
-        self.attn = MLAReferenceBackend(
+        # The model is built under `with torch.device(...)`, so the default device is the target one.
+        backend = select_mla_backend(torch.get_default_device(), dtype)
+        self.attn = backend(
             heads,
             args.kv_lora_rank,
             args.qk_nope_head_dim,

@@ -81,7 +81,7 @@ class MLAReferenceBackend:
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)  # [T, H, v_head_dim]
         for group in metadata.groups:
             if group.num_queries == 1 or metadata.rows_as_decodes_preferred:
-                self._attend_absorbed(q_nope, q_rope, cache, group, out)
+                self._attend_absorbed(q_nope, q_rope, kv_cache, group, out)
             else:
                 self._attend_expanded(q_nope, q_rope, cache, group, out)
         return out
@@ -98,14 +98,13 @@ class MLAReferenceBackend:
         self,
         q_nope: torch.Tensor,  # [T, H, nope]
         q_rope: torch.Tensor,  # [T, H, rope]
-        cache: torch.Tensor,  # [num_slots, latent_width]
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, latent_width]
         group: AttentionGroup,
         out: torch.Tensor,  # [T, H, v_head_dim]
     ) -> None:
         """Attention in latent space: the query absorbs ``W_UK``, the output ``W_UV``."""
         w_uk, w_uv = self._up_weights()
         num_seqs, num_queries = group.query_rows.shape
-        num_keys = group.kv_slots.shape[1]
         rows = group.query_rows.view(-1)  # [S*Q]
         q_latent = torch.bmm(
             q_nope.index_select(0, rows).transpose(0, 1), w_uk.to(q_nope.dtype)
@@ -114,9 +113,26 @@ class MLAReferenceBackend:
             [q_latent.transpose(0, 1), q_rope.index_select(0, rows)], dim=-1
         )  # [S*Q, H, latent_width]
         query = query.view(num_seqs, num_queries, self.num_heads, -1).transpose(1, 2)  # [S, H, Q, W]
+        attended = self._attend_latent(query, kv_cache, group)  # [S, H, Q, L]
+        attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.kv_lora_rank)  # [S*Q, H, L]
+        if num_queries > 1:
+            attended = attended.index_select(0, group.valid_index)  # [num_valid, H, L]
+        values = torch.bmm(attended.transpose(0, 1), w_uv.to(attended.dtype).transpose(1, 2))  # [H, n, v]
+        out.index_copy_(0, group.valid_rows, values.transpose(0, 1).to(out.dtype))
+
+    def _attend_latent(
+        self,
+        query: torch.Tensor,  # [S, H, Q, latent_width]: q_nope @ W_UK beside q_rope
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, latent_width]
+        group: AttentionGroup,
+    ) -> torch.Tensor:
+        """The attended latent ``[S, H, Q, kv_lora_rank]``: multi-query attention over the group's
+        cached rows, whose latent part is also the value."""
+        num_seqs, num_keys = group.kv_slots.shape
+        cache = kv_cache[0].view(-1, self.latent_width)  # [num_slots, latent_width]
         keys = cache.index_select(0, group.kv_slots.view(-1)).to(query.dtype)  # [S*K, W]
         keys = keys.view(num_seqs, 1, num_keys, self.latent_width)  # [S, 1, K, W]
-        attended = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             query,
             keys,
             keys[..., : self.kv_lora_rank],  # [S, 1, K, L]: the values are the latents
@@ -124,11 +140,6 @@ class MLAReferenceBackend:
             scale=self.scale,
             enable_gqa=True,
         )  # [S, H, Q, L]
-        attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.kv_lora_rank)  # [S*Q, H, L]
-        if num_queries > 1:
-            attended = attended.index_select(0, group.valid_index)  # [num_valid, H, L]
-        values = torch.bmm(attended.transpose(0, 1), w_uv.to(attended.dtype).transpose(1, 2))  # [H, n, v]
-        out.index_copy_(0, group.valid_rows, values.transpose(0, 1).to(out.dtype))
 
     def _attend_expanded(
         self,

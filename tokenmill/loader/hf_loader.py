@@ -11,7 +11,7 @@ import glob
 import json
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import transformers
@@ -90,8 +90,11 @@ def _load_bin(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in the folder's weight files, one shard open at a time.
+def iter_weights(
+    folder: str, only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor in the folder's weight files, one shard open at a time;
+    with ``only``, just the tensors whose names it accepts (the others are not read from safetensors).
 
     Names are exactly as stored (Hugging Face parameter names); a tied ``lm_head.weight`` that the
     checkpoint leaves out is not invented here.
@@ -101,10 +104,11 @@ def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         if kind == "safetensors":
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, f.get_tensor(name)
+                    if only is None or only(name):
+                        yield name, f.get_tensor(name)
         else:
             state = _load_bin(path)
-            yield from state.items()
+            yield from ((n, t) for n, t in state.items() if only is None or only(n))
             del state
 
 

@@ -33,7 +33,6 @@ from tokenmill.layers.attention.backend import SequenceStep
 from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.loader import ModelSource
-from tokenmill.loader.fp8_blocks import dequantize_stream, fp8_block_size
 from tokenmill.models.base import CausalLM
 from tokenmill.models.deepseek_mtp import DeepseekV3MTPLayer
 from tokenmill.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -89,11 +88,7 @@ class MTPProposer:
         with torch.device(device):
             self.layer = DeepseekV3MTPLayer(source.hf_config, target, 0, dtype)
         self.layer.to(dtype)
-        weights = source.iter_weights()
-        block = fp8_block_size(source.hf_config)
-        if block is not None and source.format == "hf":
-            weights = dequantize_stream(weights, block)  # already dequantized when iter_weights did it
-        self.layer.load_weights(w for w in weights if target.is_mtp_tensor(w[0]))
+        self.layer.load_weights(source.iter_weights(only=target.is_mtp_tensor))  # reads no other tensor
         self.layer.eval()
         spec_of_cache = target.kv_cache_spec
         self.kv_cache = allocate_kv_caches(

@@ -18,14 +18,14 @@ HEADS, RANK, NOPE, ROPE, VDIM, BLOCK = 4, 32, 16, 8, 12, 4
 SCALE = (NOPE + ROPE) ** -0.5
 
 
-def _setup(dtype: torch.dtype, lengths: list[int], new: list[int]):  # type: ignore[no-untyped-def]
+def _setup(dtype: torch.dtype, lengths: list[int], new: list[int], rank: int = RANK, rope: int = ROPE):  # type: ignore[no-untyped-def]
     """A cache holding ``lengths[s] - new[s]`` earlier tokens per sequence, the step's inputs for its
     ``new[s]`` tokens, the metadata, and a ``kv_b_proj``."""
     generator = torch.Generator().manual_seed(0)
-    kv_b = ColumnParallelLinear(RANK, HEADS * (NOPE + VDIM), dtype=dtype)
-    kv_b.weight.data.copy_(torch.randn(kv_b.weight.shape, generator=generator) / RANK**0.5)
+    kv_b = ColumnParallelLinear(rank, HEADS * (NOPE + VDIM), dtype=dtype)
+    kv_b.weight.data.copy_(torch.randn(kv_b.weight.shape, generator=generator) / rank**0.5)
     num_blocks = sum(-(-n // BLOCK) for n in lengths) + 2
-    cache = torch.randn(1, num_blocks, BLOCK, 1, RANK + ROPE, generator=generator).to(dtype)
+    cache = torch.randn(1, num_blocks, BLOCK, 1, rank + rope, generator=generator).to(dtype)
     order = torch.randperm(num_blocks, generator=generator).tolist()
     sequences, slots, row = [], [], 0
     for length, count in zip(lengths, new):
@@ -39,9 +39,9 @@ def _setup(dtype: torch.dtype, lengths: list[int], new: list[int]):  # type: ign
     n = row
     inputs = (
         torch.randn(n, HEADS, NOPE, generator=generator).to(dtype),
-        torch.randn(n, HEADS, ROPE, generator=generator).to(dtype),
-        torch.randn(n, RANK, generator=generator).to(dtype),
-        torch.randn(n, ROPE, generator=generator).to(dtype),
+        torch.randn(n, HEADS, rope, generator=generator).to(dtype),
+        torch.randn(n, rank, generator=generator).to(dtype),
+        torch.randn(n, rope, generator=generator).to(dtype),
     )
     return kv_b, cache, metadata, sequences, inputs
 
@@ -89,12 +89,13 @@ def test_absorbed_decode_and_expanded_chunks_equal_explicit_attention(dtype: tor
 
 @pytest.mark.skipif(load_error() is not None, reason="the CPU kernels do not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_decode_matches_the_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rank,rope", [(RANK, ROPE), (512, 64)])  # the second: DeepSeek-V3's 576
+def test_cpu_kernel_decode_matches_the_reference(dtype: torch.dtype, rank: int, rope: int) -> None:
     from tokenmill.layers.attention.mla_cpu import MLACpuBackend
 
-    kv_b, cache, metadata, _, inputs = _setup(dtype, [9, 17, 3, 30, 1], [1, 1, 1, 1, 1])
-    reference = MLAReferenceBackend(HEADS, RANK, NOPE, ROPE, VDIM, SCALE, kv_b)
-    fast = MLACpuBackend(HEADS, RANK, NOPE, ROPE, VDIM, SCALE, kv_b)
+    kv_b, cache, metadata, _, inputs = _setup(dtype, [9, 17, 3, 30, 1], [1, 1, 1, 1, 1], rank, rope)
+    reference = MLAReferenceBackend(HEADS, rank, NOPE, rope, VDIM, SCALE, kv_b)
+    fast = MLACpuBackend(HEADS, rank, NOPE, rope, VDIM, SCALE, kv_b)
     expected = reference.forward(*inputs, cache.clone(), metadata)
     group = metadata.groups[0]
     assert fast._kernel_takes(inputs[0], cache, group)

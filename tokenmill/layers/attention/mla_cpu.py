@@ -6,9 +6,8 @@ head of width ``kv_lora_rank + qk_rope_head_dim`` whose values are the latent pa
 latent plane passed as both the key and the value cache: the kernel reads the rows in place through
 the block tables (no gather, no mask) and returns ``[S, heads, width]``, of which the first
 ``kv_lora_rank`` columns are the attended latent (the last ``qk_rope_head_dim`` are the attended
-rotary keys, computed for nothing: 11% extra work at DeepSeek-V3's 512 + 64). Widths above the
-kernel's ``MAX_HEAD_DIM`` (DeepSeek-V3's own 576), other dtypes and prompt chunks go through the
-reference.
+rotary keys, computed for nothing: 11% extra work at DeepSeek-V3's 512 + 64; the kernel takes heads
+up to ``MAX_HEAD_DIM``, 1024). Other dtype mixes and prompt chunks go through the reference.
 """
 
 from __future__ import annotations

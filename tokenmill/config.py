@@ -317,8 +317,8 @@ class SchedulerConfig:
 
 # Speculative decoding methods (``SpeculativeConfig.method``): which run today, and which are named
 # by the design but not built yet (asking for one is a start-up error saying so).
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-SPECULATIVE_METHODS_PLANNED = ("eagle", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+SPECULATIVE_METHODS_PLANNED = ("eagle", "eagle3")
 
 
 @dataclass
@@ -333,6 +333,8 @@ class SpeculativeConfig:
     the step-time model says extra tokens cost more than their expected accepted share brings.
     ``model``: the draft model of ``draft_model`` (a bundled alias, folder or GGUF with the target's
     vocabulary; it drafts greedily with its own KV cache in the worker: ``worker/draft_model.py``).
+    ``mtp`` drafts with the checkpoint's own multi-token-prediction layer (DeepSeek-V3, Kimi K2) from
+    the target's hidden states (``worker/mtp_proposer.py``).
     """
 
     method: str = "ngram"

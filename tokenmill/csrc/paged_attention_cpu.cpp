@@ -57,7 +57,10 @@ namespace {
 
 using namespace vec;
 
-constexpr int64_t kMaxHeadDim = 256;
+// Up to 1024: multi-head latent attention's absorbed decode attends over one latent "head" of
+// kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3). Only the tile path has fixed-size buffers,
+// and it takes head_dim 64 or 128 only.
+constexpr int64_t kMaxHeadDim = 1024;
 // Query heads kept in registers at once; a KV head with more query heads is done in several tiles,
 // which re-read the chunk's K/V rows from L1 rather than from memory.
 constexpr int kHeadTile = 4;
@@ -270,7 +273,8 @@ void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, in
 // and the range's first position, so a sequence gets the same bits alone, batched or grouped.
 using amx::configure_tiles;
 using amx::kTileRows;
-constexpr int kMaxHalves = kMaxHeadDim / 32;  // 32-dimension slices of a head
+constexpr int kMaxTileHeadDim = 128;               // the tile path's widest head (64 or 128)
+constexpr int kMaxHalves = kMaxTileHeadDim / 32;  // 32-dimension slices of a head
 
 struct alignas(64) TileBuffers {
   uint32_t q[kMaxHalves][kTileRows][kTileRows];            // Q^T per 32 dimensions: [pair][head]

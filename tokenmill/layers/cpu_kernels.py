@@ -48,7 +48,7 @@ NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 1024  # the decode kernel's widest head (MLA's latent: 576 for DeepSeek-V3)
 # torch's extension build holds a lock file in the build folder while it compiles, and a later build
 # waits for it to go: one left by a process killed mid-build would make every start wait for ever. A
 # build takes about a minute on 2 cores; a lock older than this is stale.

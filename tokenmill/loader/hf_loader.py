@@ -11,7 +11,7 @@ import glob
 import json
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import transformers
@@ -28,8 +28,19 @@ def is_hf_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json"))
 
 
+# Model types whose config.json names remote code that transformers does not ship, mapped to the
+# built-in config class of the same architecture (Kimi K2 is DeepSeek-V3's architecture).
+CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
 def load_config(folder: str) -> transformers.PretrainedConfig:
-    """The model's config from ``config.json``; remote code is never trusted here."""
+    """The model's config from ``config.json``; remote code is never trusted here. A model type in
+    ``CONFIG_ALIASES`` is read with its architecture's built-in config class."""
+    with open(os.path.join(folder, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in CONFIG_ALIASES:
+        config_class = transformers.CONFIG_MAPPING[CONFIG_ALIASES[model_type]]
+        return config_class.from_pretrained(folder, local_files_only=True)
     return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
 
 
@@ -79,8 +90,11 @@ def _load_bin(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in the folder's weight files, one shard open at a time.
+def iter_weights(
+    folder: str, only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor in the folder's weight files, one shard open at a time;
+    with ``only``, just the tensors whose names it accepts (the others are not read from safetensors).
 
     Names are exactly as stored (Hugging Face parameter names); a tied ``lm_head.weight`` that the
     checkpoint leaves out is not invented here.
@@ -90,10 +104,11 @@ def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         if kind == "safetensors":
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, f.get_tensor(name)
+                    if only is None or only(name):
+                        yield name, f.get_tensor(name)
         else:
             state = _load_bin(path)
-            yield from state.items()
+            yield from ((n, t) for n, t in state.items() if only is None or only(n))
             del state
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import transformers
 
 from tokenmill.config import gguf_conversion_enabled
-from tokenmill.loader import converted_cache, gguf_loader, hf_loader
+from tokenmill.loader import converted_cache, fp8_blocks, gguf_loader, hf_loader
 from tokenmill.loader.bundled import BUNDLED_MODELS, bundled_names, locate_bundled
 
 logger = logging.getLogger(__name__)
@@ -44,21 +44,33 @@ class ModelSource:
             return gguf_loader.load_tokenizer(self.path)
         return hf_loader.load_tokenizer(self.path)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` one at a time under Hugging Face parameter names.
 
         E.g. ``model.layers.0.self_attn.q_proj.weight``; ``lm_head.weight`` is absent when the
         embeddings are tied and the checkpoint leaves it out. Tensors are in Hugging Face layout on
         CPU; their dtype is the checkpoint's (float32 for quantized GGUF), to be cast by the model.
+        ``only`` selects tensors by name (an fp8 weight's scale comes with it), reading no others from
+        safetensors.
         """
         if self.format == "gguf":
-            return gguf_loader.iter_weights(self.path, self.hf_config)
-        return hf_loader.iter_weights(self.path)
+            weights = gguf_loader.iter_weights(self.path, self.hf_config)
+            return weights if only is None else ((n, t) for n, t in weights if only(n))
+        block = fp8_blocks.fp8_block_size(self.hf_config)
+        if block is not None:  # fp8 block-quantized: dequantized as it streams (fp8_blocks.py)
+            if only is None:
+                fp8_blocks.log_memory_needed(hf_loader.weight_files(self.path)[1], block)
+            wanted = None if only is None else (lambda n: only(n.removesuffix(fp8_blocks.SCALE_SUFFIX)))
+            return fp8_blocks.dequantize_stream(hf_loader.iter_weights(self.path, wanted), block)
+        return hf_loader.iter_weights(self.path, only)
 
     def num_weight_tensors(self) -> int:
         """How many tensors ``iter_weights`` yields (for progress reporting)."""
         if self.format == "gguf":
             return gguf_loader.num_weight_tensors(self.path)
+        if fp8_blocks.fp8_block_size(self.hf_config) is not None:  # the scales are not yielded
+            num_scales = fp8_blocks.describe_fp8_checkpoint(hf_loader.weight_files(self.path)[1])[2]
+            return hf_loader.num_weight_tensors(self.path) - num_scales
         return hf_loader.num_weight_tensors(self.path)
 
 

@@ -1,6 +1,7 @@
 """The model interface the model runner drives, shared by native models and the transformers fallback.
 
-A model answers what sizes its KV cache (``num_layers``, ``num_kv_heads``, ``head_dim``) and which
+A model answers what sizes its KV cache (``num_layers``, ``num_kv_heads``, ``head_dim``, gathered
+in ``kv_cache_spec``, which a model with another cache layout overrides) and which
 attention windows its layers use (``sliding_window``, ``layer_sliding_windows``), and computes a
 step's logits with ``forward_logits``. A native model writes ``forward(batch)`` (every token's final
 hidden state, or the ``LayerProgress`` where ``batch.control`` stopped the pass) and
@@ -11,11 +12,25 @@ its forward).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.step_control import LayerProgress
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The per-layer paged cache a model attends over: ``[num_planes, num_blocks, block_size,
+    num_kv_heads, head_dim]``. ``num_planes`` is 2 for separate keys and values, 1 for a single
+    tensor that holds both (multi-head latent attention's compressed latent plus its rotary key, one
+    "head" per token)."""
+
+    num_kv_heads: int
+    head_dim: int
+    num_planes: int = 2
 
 
 class CausalLM(nn.Module):
@@ -32,6 +47,11 @@ class CausalLM(nn.Module):
     @property
     def head_dim(self) -> int:
         raise NotImplementedError
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The layout of each layer's KV cache; by default keys and values of ``num_kv_heads`` heads."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
     @property
     def sliding_window(self) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 from tokenmill.models.base import CausalLM
+from tokenmill.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.gpt_oss import GptOssForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
@@ -28,6 +29,12 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    # DeepSeek-V3/R1 and Kimi K2 (model_type kimi_k2, same architecture name).
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+}
+# Architectures with no native implementation yet, and why (named in the error).
+NOT_NATIVE_YET: dict[str, str] = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its lightning indexer) is not implemented natively",
 }
 
 
@@ -64,6 +71,8 @@ def resolve_model_class(config) -> type[CausalLM]:  # type: ignore[no-untyped-de
     for arch in architectures:
         if arch in NATIVE_MODELS:
             return NATIVE_MODELS[arch]
+        if arch in NOT_NATIVE_YET:
+            raise ValueError(f"{arch}: {NOT_NATIVE_YET[arch]}; run it with --model-impl transformers")
     raise ValueError(
         f"no native implementation for architecture(s) {architectures or [config.model_type]}; "
         f"supported: {sorted(NATIVE_MODELS)}"

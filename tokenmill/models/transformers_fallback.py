@@ -14,7 +14,9 @@ forwards from the model's ``forward`` to every attention call (``PAGED_KWARG``);
 At load, a probe forward checks that the architecture really routes every layer's attention through
 the interface, forwards our keyword argument, and asks for nothing we cannot give (a model-built
 mask or position bias, logit soft-capping, attention sinks, non-causal attention, per-layer sliding
-windows, keys and values of different widths, sequence-length-dependent RoPE). Anything else is a
+windows, values wider than keys, sequence-length-dependent RoPE). Values narrower than keys (DeepSeek's
+multi-head latent attention, expanded) are zero-padded to the keys' width in the cache and the
+padding is cut from the output. Anything else is a
 ``ValueError`` at start-up naming the reason, never a model that runs wrong.
 """
 
@@ -56,6 +58,7 @@ class _ProbedLayer:
     num_kv_heads: int
     head_dim: int
     scale: float
+    value_dim: int
     sliding_window: int | None
 
 
@@ -100,10 +103,13 @@ def paged_attention_forward(
         raise RuntimeError(f"layer {layer_index}: attention call differs from the one probed at load")
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     k = key[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
-    v = value[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
+    v = value[0].transpose(0, 1)  # [num_tokens, num_kv_heads, value_dim]
+    value_dim = v.shape[-1]
+    if value_dim < head_dim:  # zero columns attend to zeros: cut from the output below
+        v = torch.nn.functional.pad(v, (0, head_dim - value_dim))  # [num_tokens, num_kv_heads, head_dim]
     batch = context.batch
     out = attention.forward(q, k, v, batch.kv_caches[layer_index], batch.attn)  # [num_tokens, heads, dim]
-    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+    return out[..., :value_dim].unsqueeze(0), None  # [1, num_tokens, num_heads, value_dim]
 
 
 def _record_probe(
@@ -127,10 +133,8 @@ def _record_probe(
         probe.problems.append(f"{name} uses attention sinks")
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         probe.problems.append(f"{name} is not causal")
-    if key.shape[-1] != value.shape[-1]:
-        probe.problems.append(
-            f"{name} has keys ({key.shape[-1]}) and values ({value.shape[-1]}) of different widths"
-        )
+    if key.shape[-1] < value.shape[-1]:
+        probe.problems.append(f"{name} has values ({value.shape[-1]}) wider than its keys ({key.shape[-1]})")
     window = kwargs.get("sliding_window")
     probe.calls.append(
         _ProbedLayer(
@@ -139,6 +143,7 @@ def _record_probe(
             num_kv_heads=int(key.shape[1]),
             head_dim=int(key.shape[-1]),
             scale=float(scale),
+            value_dim=int(value.shape[-1]),
             sliding_window=int(window) if window else None,
         )
     )
@@ -233,7 +238,11 @@ class TransformersForCausalLM(CausalLM):
             )
         first = probe.calls[0]
         for call in probe.calls:
-            if (call.num_kv_heads, call.head_dim) != (first.num_kv_heads, first.head_dim):
+            if (call.num_kv_heads, call.head_dim, call.value_dim) != (
+                first.num_kv_heads,
+                first.head_dim,
+                first.value_dim,
+            ):
                 raise ValueError(
                     f"{arch} cannot run on the transformers fallback: its layers' key/value shapes differ"
                 )

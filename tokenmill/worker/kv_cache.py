@@ -28,10 +28,17 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_planes: int = 2,
 ) -> int:
+    """Bytes of one block over every layer; ``num_planes`` is 2 for separate keys and values, 1 for
+    one latent tensor (``models/base.py`` ``KVCacheSpec``)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element  # K and V
+    return num_planes * num_layers * block_size * num_kv_heads * head_dim * element
 
 
 def default_num_blocks(
@@ -44,6 +51,7 @@ def default_num_blocks(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    num_planes: int = 2,
 ) -> int:
     """The default pool: the blocks ``wanted_tokens`` need (``max_num_seqs × max_model_len``: every
     sequence the scheduler may run at its longest), capped at ``fraction_cap`` of the memory
@@ -57,6 +65,7 @@ def default_num_blocks(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
+        num_planes=num_planes,
     )
     return min(wanted_blocks, cap_blocks)
 
@@ -70,13 +79,14 @@ def num_blocks_for_budget(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    num_planes: int = 2,
 ) -> int:
     """How many blocks fit in ``budget``: bytes when an int, a fraction of free memory when a float."""
     if isinstance(budget, float):
         budget_bytes = int(available_memory_bytes(device) * budget)
     else:
         budget_bytes = budget
-    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, num_planes)
     num_blocks = budget_bytes // per_block
     if num_blocks < 1:
         raise ValueError(
@@ -94,14 +104,16 @@ def allocate_kv_caches(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    num_planes: int = 2,
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer, zero-filled.
+    """One ``[num_planes, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer, zero-filled
+    (planes: keys and values, or one latent plane for multi-head latent attention).
 
     On CPU the tensors are views of one anonymous memory map: the kernel hands out zero pages on first
     touch, so start-up does not spend seconds writing zeros over gigabytes, and resident memory grows
     with the blocks actually used; ``IdlePrefaulter`` maps them ahead of use while the engine is idle.
     """
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_planes, num_blocks, block_size, num_kv_heads, head_dim)
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
     per_layer = math.prod(shape)
@@ -147,7 +159,7 @@ class IdlePrefaulter:
     def __init__(
         self, caches: list[torch.Tensor], blocks_per_step: int = 8, ahead_blocks: int | None = None
     ) -> None:
-        self._caches = caches  # each [2, num_blocks, block_size, kv_heads, head_dim]
+        self._caches = caches  # each [num_planes, num_blocks, block_size, kv_heads, head_dim]
         self._num_blocks = caches[0].shape[1] if caches else 0
         self._block_bytes = caches[0][0, 0].numel() * caches[0].element_size() if caches else 0
         self._blocks_per_step = blocks_per_step
@@ -181,7 +193,7 @@ class IdlePrefaulter:
         last = min(self._limit, first + self._blocks_per_step)
         page = mmap.PAGESIZE
         for cache in self._caches:
-            for half in (cache[0], cache[1]):  # keys, values
+            for half in cache.unbind(0):  # keys and values, or the one latent plane
                 start = half.data_ptr() + first * self._block_bytes
                 end = half.data_ptr() + last * self._block_bytes
                 aligned = start - start % page

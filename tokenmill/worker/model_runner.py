@@ -139,6 +139,11 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized, exact_int4, exact_q8 = self._derive_weights()
+            if config.deterministic and self.model.kv_cache_spec.num_planes != 2:
+                raise ValueError(
+                    f"the deterministic mode does not support {model_class.__name__}'s latent KV cache "
+                    "(multi-head latent attention) yet"
+                )
             description = (
                 f"native {model_class.__name__}"
                 + (f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
@@ -170,17 +175,17 @@ class ModelRunner:
         )
         self.state_cache = self._make_state_cache(config)
         self.num_blocks = self._kv_pool_blocks(config, source, kv_dtype)
+        kv_spec = self.model.kv_cache_spec
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
-            self.model.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, kv_dtype
+            self.model.num_layers,
+            self.block_size,
+            kv_spec.num_kv_heads,
+            kv_spec.head_dim,
+            kv_dtype,
+            kv_spec.num_planes,
         )
         self.kv_caches = allocate_kv_caches(
-            self.num_blocks,
-            num_layers=self.model.num_layers,
-            block_size=self.block_size,
-            num_kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim,
-            dtype=kv_dtype,
-            device=self.device,
+            self.num_blocks, dtype=kv_dtype, device=self.device, **self._kv_shape()
         )
         # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault), a
         # few steps' worth of blocks beyond the highest one written: resident memory follows use.
@@ -214,6 +219,10 @@ class ModelRunner:
             from tokenmill.worker.draft_model import DraftModelProposer
 
             self.proposer = DraftModelProposer(config, int(source.hf_config.vocab_size), self.num_blocks)
+        elif spec is not None and spec.method == "mtp":
+            from tokenmill.worker.mtp_proposer import MTPProposer
+
+            self.proposer = MTPProposer(config, source, self.model, self.num_blocks, kv_dtype)
         elif spec is not None:
             self.proposer = make_proposer(spec)
         self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
@@ -354,13 +363,7 @@ class ModelRunner:
             self.weights.reload()
         if kv_cache and not self.kv_caches:
             self.kv_caches = allocate_kv_caches(
-                self.num_blocks,
-                num_layers=self.model.num_layers,
-                block_size=self.block_size,
-                num_kv_heads=self.model.num_kv_heads,
-                head_dim=self.model.head_dim,
-                dtype=self._kv_dtype,
-                device=self.device,
+                self.num_blocks, dtype=self._kv_dtype, device=self.device, **self._kv_shape()
             )
 
     def _make_lora(self, config: EngineConfig) -> LoRAManager | None:
@@ -408,9 +411,14 @@ class ModelRunner:
         if self.state_cache is None:
             return num_blocks
         # The state pool comes out of the same memory budget.
-        model = self.model
+        shape = self._kv_shape()
         per_block = bytes_per_block(
-            model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, kv_dtype
+            shape["num_layers"],
+            self.block_size,
+            shape["num_kv_heads"],
+            shape["head_dim"],
+            kv_dtype,
+            shape["num_planes"],
         )
         return max(1, num_blocks - -(-self.state_cache.total_bytes // per_block))
 
@@ -418,16 +426,9 @@ class ModelRunner:
         self, config: EngineConfig, source: ModelSource, kv_dtype: torch.dtype
     ) -> int:
         cache = config.cache
-        model = self.model
         if cache.kv_cache_memory is not None:
             return num_blocks_for_budget(
-                cache.kv_cache_memory,
-                self.device,
-                num_layers=model.num_layers,
-                block_size=self.block_size,
-                num_kv_heads=model.num_kv_heads,
-                head_dim=model.head_dim,
-                dtype=kv_dtype,
+                cache.kv_cache_memory, self.device, dtype=kv_dtype, **self._kv_shape()
             )
         # The context window as the engine core will set it (before the pool caps it).
         model_limit = int(getattr(source.hf_config, "max_position_embeddings", 0) or 0) or 2048
@@ -436,11 +437,8 @@ class ModelRunner:
             config.scheduler.max_num_seqs * window,
             cache.kv_cache_memory_fraction,
             self.device,
-            num_layers=model.num_layers,
-            block_size=self.block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
             dtype=kv_dtype,
+            **self._kv_shape(),
         )
 
     def _make_state_cache(self, config: EngineConfig) -> StateCache | None:
@@ -472,6 +470,17 @@ class ModelRunner:
         if self.state_cache is None:
             return [0, 0]
         return [self.state_cache.num_slots, self.state_cache.slot_bytes]
+
+    def _kv_shape(self) -> dict[str, int]:
+        """The cache's shape as ``worker/kv_cache.py`` takes it, from the model's ``kv_cache_spec``."""
+        spec = self.model.kv_cache_spec
+        return {
+            "num_layers": self.model.num_layers,
+            "block_size": self.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "num_planes": spec.num_planes,
+        }
 
     def prefault_while_idle(self) -> bool:
         """Map the next few KV blocks' pages (``IdlePrefaulter.step``); whether more remain."""
@@ -516,7 +525,7 @@ class ModelRunner:
         interrupt stops the forward, a stop becomes a status here: a pausable plan is kept and comes
         back ``PAUSED``, any other ``ABANDONED``."""
         batch, sample_entries, prompt_rows = step.batch, step.sample_entries, step.prompt_rows
-        logits = self._compute_logits(batch)  # [num_logit_rows, vocab_size] f32 or activation dtype
+        logits = self._compute_logits(batch, step.plan.scheduled)  # [rows, vocab] f32 or activation dtype
         if isinstance(logits, LayerProgress):  # the step's control stopped the forward before a layer
             if step.plan.interruptible:
                 return ModelRunnerOutput(status=StepStatus.ABANDONED, layers_done=0.0)
@@ -539,14 +548,24 @@ class ModelRunner:
             output.prompt_logprobs[request_id] = _to_position_logprobs(ids, logprobs, ranks, num_top)
         return output
 
-    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
+    def _compute_logits(
+        self, batch: ForwardBatch, entries: list[ScheduledRequest]
+    ) -> torch.Tensor | LayerProgress:
         """Logits ``[num_logit_rows, vocab_size]`` for ``batch.logits_rows``, or the ``LayerProgress``
         where ``batch.control`` stopped the forward (``models/base.py``: native models and the
-        transformers fallback share this interface)."""
-        if self.lora is None:
+        transformers fallback share this interface). A drafter that reads the target's hidden states
+        (``mtp``) gets every row's."""
+        record = getattr(self.proposer, "record", None)
+        if self.lora is not None:
+            with self.lora.state.bound(batch.lora):
+                return self.model.forward_logits(batch)
+        if record is None:
             return self.model.forward_logits(batch)
-        with self.lora.state.bound(batch.lora):
-            return self.model.forward_logits(batch)
+        hidden = self.model(batch)  # [num_tokens, hidden_size] or LayerProgress
+        if isinstance(hidden, LayerProgress):
+            return hidden
+        record(entries, hidden)
+        return self.model.compute_logits(hidden[batch.logits_rows])
 
     def _sample(
         self,

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.config import attention_backend_choice
 from tokenmill.layers.attention.backend import AttentionBackend, SequenceStep
+from tokenmill.layers.attention.mla import MLAReferenceBackend
 from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,26 @@ def _select(device_type: str, dtype: torch.dtype, choice: str) -> type[Attention
     return TorchReferenceBackend
 
 
+def select_mla_backend(device: torch.device | str, dtype: torch.dtype) -> type[MLAReferenceBackend]:
+    """Multi-head latent attention's backend: the absorbed decode on the CPU decode kernel where
+    ``select_backend`` chooses the CPU kernels (``mla_cpu.py``), else the torch reference."""
+    if select_backend(device, dtype).name == "cpu":
+        from tokenmill.layers.attention.mla_cpu import MLACpuBackend
+
+        return MLACpuBackend
+    return MLAReferenceBackend
+
+
 def _chosen(backend: type[AttentionBackend], why: str) -> type[AttentionBackend]:
     logger.info("attention backend: %s (%s)", backend.name, why)
     return backend
 
 
-__all__ = ["AttentionBackend", "SequenceStep", "TorchReferenceBackend", "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "MLAReferenceBackend",
+    "SequenceStep",
+    "TorchReferenceBackend",
+    "select_backend",
+    "select_mla_backend",
+]

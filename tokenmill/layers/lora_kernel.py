@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import extension_cache_dir
-from tokenmill.layers.cpu_kernels import CFLAGS, LDFLAGS, _cpu_flags, remove_stale_build_lock, stage_sources
+from tokenmill.layers.cpu_kernels import LDFLAGS, _cpu_flags, cflags, remove_stale_build_lock, stage_sources
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ NAME = "tokenmill_lora_cpu"
 
 def _build_directory() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join((*CFLAGS, *LDFLAGS)), torch.__version__, _cpu_flags()):
+    for part in (" ".join((*cflags(), *LDFLAGS)), torch.__version__, _cpu_flags()):
         digest.update(part.encode())
     return Path(extension_cache_dir()) / f"lora_cpu-{digest.hexdigest()[:16]}"
 
@@ -41,7 +41,7 @@ def load_error() -> str | None:
         cpp_extension.load(
             name=NAME,
             sources=stage_sources(folder, [SOURCE]),
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(cflags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,

@@ -23,6 +23,7 @@ from tokenmill.core.step_io import (
 from tokenmill.layers.attention import AttentionBackend, SequenceStep, select_backend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
+from tokenmill.layers.cpu_isa import apply_torch_environment
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.forward_batch import ForwardBatch
@@ -93,6 +94,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.device = torch.device(config.model.device)
+        if self.device.type == "cpu":
+            apply_torch_environment()  # TOKENMILL_CPU_ISA's hold on torch, before its first CPU kernel
         self.dtype = resolve_dtype("float32" if config.rl_exact_logprobs else config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.interrupt: InterruptFlag | None = None  # see set_interrupt

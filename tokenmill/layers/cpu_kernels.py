@@ -37,6 +37,7 @@ SOURCES = [
     CSRC / "prefill_attention_cpu.cpp",
     CSRC / "prefill_attention_f32_cpu.cpp",
     CSRC / "f32_gemm_cpu.cpp",
+    CSRC / "group_gemm_f32_cpu.cpp",
 ]
 HEADERS = [
     CSRC / "vec16.h",

@@ -13,7 +13,8 @@ prints the two bounds and the achieved fraction of each:
 
 The weight formats are those the engine picks on the path: on the bfloat16 paths the bundled GGUF's
 exactly 4-bit layers use the int4 kernel and its tied embedding the 8-bit LM head up to a few rows
-(``layers/int4.py``, ``layers/q8.py``), the packed bfloat16 weight above; on avx2 float32 weights.
+(``layers/int4.py``, ``layers/q8.py``), the packed bfloat16 weight above; on avx2 the same copies
+on float32 rows up to a few rows, float32 weights above.
 
     .venv/bin/python benchmarks/roofline.py --isa avx2
 """
@@ -35,8 +36,9 @@ OUTPUT_LEN = 128
 # Bytes per weight of each storage format (int4: 16 bytes of nibbles + float16 scale and minimum per
 # 32; q8: 32 int8 + a float16 scale per 32).
 FORMAT_BYTES = {"int4": 20 / 32, "q8": 34 / 32, "bfloat16": 2.0, "float32": 4.0}
-# Rows up to which the int4 / 8-bit kernels run on the paths without AMX (layers/int4.py INT4_MAX_ROWS,
-# layers/quantization.py); above it the packed bfloat16 weight.
+# Rows up to which the int4 / 8-bit kernels run on the paths without AMX (layers/int4.py INT4_MAX_ROWS;
+# the bfloat16 LM head's bound is 1 row, a difference of 1/20 of a step's bytes); above it the packed
+# bfloat16 (or float32) weight.
 SMALL_STEP_ROWS = 8
 
 
@@ -120,7 +122,7 @@ def step_costs(shape: Shape, isa: str, sequences: int, prefill: bool) -> tuple[f
     compute = "float32" if isa == "avx2" else "bfloat16"
     element = FORMAT_BYTES[compute]
     rows = sequences * (PROMPT_LEN if prefill else 1)
-    if compute == "bfloat16" and rows <= SMALL_STEP_ROWS:
+    if rows <= SMALL_STEP_ROWS:  # float32 rows too (csrc/group_gemm_f32_cpu.cpp)
         layer_format, head_format = "int4", "q8"
     else:
         layer_format = head_format = compute

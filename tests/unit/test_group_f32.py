@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill.layers.int4 import (
-    INT4_MAX_ROWS,
+    INT4_FLOAT32_MAX_ROWS,
     dequantize_int4_float32,
     int4_linear,
     quantize_int4,
@@ -74,9 +74,9 @@ def test_q8_groups_of_a_float32_weight_and_the_kernel(shape: tuple[int, int]) ->
     expected_weight = (q.float().reshape(shape[0], -1, 32) * scales.float()[..., None]).reshape(shape)
     assert torch.equal(expected_weight, weight)
     head = Q8Weight(q, scales)
-    x_all = torch.randn(Q8_FLOAT32_MAX_ROWS + 1, shape[1])
+    x_all = torch.randn(max(ROW_COUNTS) + 1, shape[1])
     for rows in ROW_COUNTS:
-        assert head.takes(x_all[:rows])
+        assert head.takes(x_all[:rows]) == (rows <= Q8_FLOAT32_MAX_ROWS)
         got = head.linear(x_all[:rows])
         assert got.dtype == torch.float32
         # The same float32 products summed in another order (sums of ~1,500 terms of size ~1).
@@ -93,8 +93,10 @@ def test_a_float32_layer_on_the_int4_grid_keeps_an_int4_copy_and_others_do_not()
     before = layer.weight.data.clone()
     assert layer.quantize_weights("int4", lossless_only=True) is None
     assert torch.equal(layer.weight.data, before) and layer.int4_weight is not None
-    x = torch.randn(INT4_MAX_ROWS, 576)
-    assert layer.int4_weight.takes(x)
+    x = torch.randn(INT4_FLOAT32_MAX_ROWS, 576)
+    assert layer.int4_weight.takes(x) and not layer.int4_weight.takes(
+        torch.randn(INT4_FLOAT32_MAX_ROWS + 1, 576)
+    )
     assert torch.allclose(layer(x), x @ before.T, rtol=1e-5, atol=1e-5)
     off_grid = RowParallelLinear(576, 96, bias=False, dtype=torch.float32)
     off_grid.weight.data.copy_(torch.randn(96, 576))

@@ -7,10 +7,11 @@
 // (one rounding of q * d + m), and a float32 layer whose weight holds such values streams 4.5 or 8.5
 // bits per weight instead of 32 for the same products (up to summation order).
 //
-// Kernel (AVX2 + FMA; plain loops elsewhere): per output row and group, the 32 weights are decoded into
-// four 8-lane float32 vectors once and multiplied into four independent accumulators per input row (so
-// the FMA latency chains stay short), up to kRowsPerPass rows per pass over the row's groups; the
-// packed stream is prefetched kPrefetchBytes ahead, as in group_gemm.h.
+// Kernel (AVX2 + FMA; plain loops elsewhere): per output row its float16 constants are widened once
+// (F16C), and per group the 32 weights are decoded into four 8-lane float32 vectors once and multiplied
+// into four independent accumulators for a single input row (short FMA latency chains), or one
+// accumulator per row for up to kRowsPerPass rows; the packed stream is prefetched kPrefetchBytes
+// ahead, as in group_gemm.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,7 +35,20 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kOutputsPerTask = 16;
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int kRowsPerPass = 2;  // 4 accumulators a row + 4 weight vectors fit the 16 AVX2 registers
+constexpr int kRowsPerPass = 8;  // 8 accumulators + 4 weight vectors fit the 16 AVX2 registers
+
+constexpr int64_t kMaxGroups = 1024;  // int4_gemm_cpu.cpp / q8_gemm_cpu.cpp check in_features against it
+
+#ifdef TOKENMILL_GROUP_F32_AVX2
+// float32 copies of one row's float16 group constants (8 per F16C instruction; c10::Half's scalar
+// conversion per group would cost more than the group's FMAs).
+inline void widen(const c10::Half* src, float* dst, int64_t groups) {
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    _mm256_store_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g))));
+  for (; g < groups; ++g) dst[g] = static_cast<float>(src[g]);
+}
+#endif
 
 // One output row's weights: per group the 32 float32 values as four 8-lane vectors (or 32 floats).
 struct Int4Format {
@@ -44,11 +58,19 @@ struct Int4Format {
   int64_t groups;
   static constexpr int64_t kGroupBytes = kGroup / 2;
 #ifdef TOKENMILL_GROUP_F32_AVX2
-  void decode(int64_t o, int64_t g, __m256 w[4]) const {
+  struct Row {
+    alignas(32) float d[kMaxGroups];
+    alignas(32) float m[kMaxGroups];
+  };
+  void start_row(int64_t o, Row& row) const {
+    widen(scales + o * groups, row.d, groups);
+    widen(mins + o * groups, row.m, groups);
+  }
+  void decode(int64_t o, int64_t g, const Row& row, __m256 w[4]) const {
     const uint8_t* bytes = packed + (o * groups + g) * kGroupBytes;
     if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
-    const __m256 d = _mm256_set1_ps(static_cast<float>(scales[o * groups + g]));
-    const __m256 m = _mm256_set1_ps(static_cast<float>(mins[o * groups + g]));
+    const __m256 d = _mm256_broadcast_ss(row.d + g);
+    const __m256 m = _mm256_broadcast_ss(row.m + g);
     const __m128i nibbles = _mm_set1_epi8(0x0F);
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
     const __m128i low = _mm_and_si128(raw, nibbles);                       // elements 0..15
@@ -72,10 +94,14 @@ struct Q8Format {
   const c10::Half* scales;
   int64_t groups;
 #ifdef TOKENMILL_GROUP_F32_AVX2
-  void decode(int64_t o, int64_t g, __m256 w[4]) const {
+  struct Row {
+    alignas(32) float d[kMaxGroups];
+  };
+  void start_row(int64_t o, Row& row) const { widen(scales + o * groups, row.d, groups); }
+  void decode(int64_t o, int64_t g, const Row& row, __m256 w[4]) const {
     const int8_t* values = q + (o * groups + g) * kGroup;
     if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(values + kPrefetchBytes), _MM_HINT_T0);
-    const __m256 d = _mm256_set1_ps(static_cast<float>(scales[o * groups + g]));
+    const __m256 d = _mm256_broadcast_ss(row.d + g);
     for (int c = 0; c < 4; ++c) {
       const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + 8 * c));
       w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d);
@@ -95,40 +121,71 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-// out[row0 + r, o] for r < ROWS, one output row o.
-template <int ROWS, typename Format>
-void output_rows(const float* x, int64_t x_stride, const Format& format, float* out, int64_t out_stride,
-                 int64_t row0, int64_t o) {
-  __m256 acc[ROWS][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+// out[row0, o] for one row: four accumulators (independent FMA chains).
+template <typename Format>
+void one_row(const float* x, const Format& format, const typename Format::Row& row, float* out, int64_t o) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < format.groups; ++g) {
     __m256 w[4];
-    format.decode(o, g, w);
-    for (int r = 0; r < ROWS; ++r) {
-      const float* xg = x + (row0 + r) * x_stride + g * kGroup;
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(xg + 8 * c), acc[r][c]);
+    format.decode(o, g, row, w);
+    for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x + g * kGroup + 8 * c), acc[c]);
+  }
+  *out = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+// out[row0 + r, o] for r < ROWS: one accumulator a row (the rows' chains interleave), each group
+// decoded once for all of them.
+template <int ROWS, typename Format>
+void several_rows(const float* x, int64_t x_stride, const Format& format, const typename Format::Row& row,
+                  float* out, int64_t out_stride, int64_t row0, int64_t o) {
+  __m256 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < format.groups; ++g) {
+    __m256 w[4];
+    format.decode(o, g, row, w);
+    for (int c = 0; c < 4; ++c)
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x + (row0 + r) * x_stride + g * kGroup + 8 * c), acc[r]);
+  }
+  for (int r = 0; r < ROWS; ++r) out[(row0 + r) * out_stride + o] = horizontal_sum(acc[r]);
+}
+
+template <int ROWS, typename Format>
+void rows_pass(const float* x, int64_t x_stride, const Format& format, const typename Format::Row& row, float* out,
+               int64_t out_stride, int64_t row0, int64_t rows, int64_t o) {
+  if constexpr (ROWS > 2) {
+    if (rows < ROWS) {
+      rows_pass<ROWS - 1>(x, x_stride, format, row, out, out_stride, row0, rows, o);
+      return;
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
-    out[(row0 + r) * out_stride + o] = horizontal_sum(sum);
-  }
+  several_rows<ROWS>(x, x_stride, format, row, out, out_stride, row0, o);
 }
 
 #endif
 
-// out[r, o] for every row and outputs [begin, end): each output row's groups once per kRowsPerPass rows
-// (the row's few hundred bytes stay in L1 between passes).
+// out[r, o] for every row and outputs [begin, end): one row alone with four FMA chains, more rows
+// kRowsPerPass at a time, each group decoded once per pass.
 template <typename Format>
 void multiply(const float* x, int64_t x_stride, const Format& format, float* out, int64_t out_stride, int64_t rows,
               int64_t begin, int64_t end) {
+#ifdef TOKENMILL_GROUP_F32_AVX2
+  typename Format::Row row;
+#endif
   for (int64_t o = begin; o < end; ++o) {
 #ifdef TOKENMILL_GROUP_F32_AVX2
-    int64_t row0 = 0;
-    for (; row0 + kRowsPerPass <= rows; row0 += kRowsPerPass)
-      output_rows<kRowsPerPass>(x, x_stride, format, out, out_stride, row0, o);
-    if (row0 < rows) output_rows<1>(x, x_stride, format, out, out_stride, row0, o);
+    format.start_row(o, row);
+    if (rows == 1) {
+      one_row(x, format, row, out + o, o);
+      continue;
+    }
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowsPerPass) {
+      const int64_t n = std::min<int64_t>(kRowsPerPass, rows - row0);
+      if (n == 1)
+        one_row(x + row0 * x_stride, format, row, out + row0 * out_stride + o, o);
+      else
+        rows_pass<kRowsPerPass>(x, x_stride, format, row, out, out_stride, row0, n, o);
+    }
 #else
     for (int64_t r = 0; r < rows; ++r) {
       float acc = 0.0f;

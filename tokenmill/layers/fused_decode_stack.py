@@ -22,6 +22,7 @@ from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
 from tokenmill.layers.forward_batch import ForwardBatch
+from tokenmill.layers.int4 import INT4_FLOAT32_MAX_ROWS
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
@@ -85,7 +86,7 @@ class FusedDecodeWeights:
             int4_weight, packed = linear.int4_weight, linear.packed_weight
             if int4_weight is not None and (dtype == torch.bfloat16 or int4):
                 fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
-                max_rows.append(int4_weight.max_rows)
+                max_rows.append(int4_weight.max_rows if dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
             elif (
                 dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
             ):

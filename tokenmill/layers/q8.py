@@ -25,9 +25,9 @@ GROUP_SIZE = 32
 # head (49152 x 576, 2 threads) 1.20 vs 1.48 ms at one row, even at two, 2.25 vs 1.50 ms at four.
 # Larger steps use the bfloat16 weight.
 Q8_MAX_ROWS = 1
-# float32 rows: the alternative streams the float32 weight (4x the bytes). The same bound as int4's
-# (layers/int4.py), not yet measured for this kernel.
-Q8_FLOAT32_MAX_ROWS = 8
+# float32 rows: the same bound as int4's on float32 rows (layers/int4.py INT4_FLOAT32_MAX_ROWS, measured
+# on the projections and this head together).
+Q8_FLOAT32_MAX_ROWS = 3
 
 
 def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -9,11 +9,14 @@ Workloads (SmolLM2-135M, 128-token prompts and outputs, EOS ignored):
 - server, 16 concurrent: ``tokenmill bench serve`` (ShareGPT) against ``tokenmill serve`` and
   ``llama-server``
 
+``--isa avx2,avx512_bf16`` prints a table per ``TOKENMILL_CPU_ISA`` path (tokenmill held to that
+instruction set; llama.cpp from ``$LLAMA_CPP_BIN_AVX2`` for ``avx2`` where set, an AVX2-only build).
+
 llama.cpp runs on each of its weight files (the bundled Q4_1, and Q8_0 / BF16 copies made with
 llama-quantize, cached in ~/.cache/tokenmill-bench); its best is the comparison. Every figure is the
 median of ``--repeats`` runs. Runs are sequential: never run another benchmark at the same time.
 
-    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin .venv/bin/python benchmarks/vs_llamacpp.py
+    LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin .venv/bin/python benchmarks/vs_llamacpp.py --isa avx2,auto
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -107,39 +111,53 @@ def server_rate(url: str, label: str, args: argparse.Namespace) -> float:
     return float(summary(run_bench(url, label, bench_args))["output_tok_s"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--server-prompts", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, help="tokenmill weight quantization (int8 or int4)")
-    parser.add_argument("--weights", default="Q4_1,Q8_0,BF16", help="llama.cpp weight files to try")
-    parser.add_argument("--skip-server", action="store_true")
-    args = parser.parse_args()
-
-    print(
-        f"{cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'default weights: lossless int4 on exactly 4-bit layers'})"
-    )
-    ours = tokenmill_offline(args)
+def tokenmill_path_rates(isa: str, args: argparse.Namespace) -> tuple[str, dict[str, float]]:
+    """tokenmill's figures on one ``TOKENMILL_CPU_ISA`` path (``auto``: the CPU's best), and the path
+    that ran. The offline engine runs in a child process: the path is fixed per process."""
+    env = {**os.environ, "TOKENMILL_CPU_ISA": isa}
+    command = [sys.executable, __file__, "--offline-json", "--repeats", str(args.repeats)]
+    command += ["--batch", str(args.batch), "--output-len", str(args.output_len), "--dtype", args.dtype]
+    command += ["--quantization", args.quantization] if args.quantization else []
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"tokenmill on path {isa} failed:\n{done.stderr[-4000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    rates: dict[str, float] = report["rates"]
     if not args.skip_server:
         extra = ["--dtype", args.dtype] + (["--quantization", args.quantization] if args.quantization else [])
-        with tokenmill_server("smollm2-135m", extra) as url:
-            ours["server 16 conc"] = server_rate(url, "tokenmill", args)
+        previous = os.environ.get("TOKENMILL_CPU_ISA")
+        os.environ["TOKENMILL_CPU_ISA"] = isa  # the server process inherits it
+        try:
+            with tokenmill_server("smollm2-135m", extra) as url:
+                rates["server 16 conc"] = server_rate(url, "tokenmill", args)
+        finally:
+            os.environ.pop("TOKENMILL_CPU_ISA")
+            if previous is not None:
+                os.environ["TOKENMILL_CPU_ISA"] = previous
+    return str(report["isa"]), rates
 
-    gguf = bundled_gguf()
-    files = {"Q4_1": gguf}
-    quantize = llama_cpp_tool("llama-quantize", None)
-    for kind in args.weights.split(","):
-        if kind != "Q4_1" and quantize is not None:
-            files[kind] = requantized(gguf, quantize, kind, Path.home() / ".cache/tokenmill-bench")
-    peer: dict[str, dict[str, float]] = {}  # workload -> weights -> tokens/s
-    bench_bin = llama_cpp_tool("llama-bench", None)
-    batched_bin = llama_cpp_tool("llama-batched-bench", None)
-    server_bin = llama_cpp_tool("llama-server", None)
+
+def llama_cpp_folder(isa: str) -> str | None:
+    """The llama.cpp build for a path: ``$LLAMA_CPP_BIN_AVX2`` (built with ``-DGGML_NATIVE=OFF
+    -DGGML_AVX2=ON -DGGML_AVX512=OFF``) for ``avx2`` where set, else ``$LLAMA_CPP_BIN`` (native)."""
+    if isa == "avx2" and os.environ.get("LLAMA_CPP_BIN_AVX2"):
+        return os.environ["LLAMA_CPP_BIN_AVX2"]
+    return os.environ.get("LLAMA_CPP_BIN")
+
+
+def tool(folder: str | None, name: str) -> str | None:
+    if folder and (Path(folder) / name).exists():
+        return str(Path(folder) / name)
+    return llama_cpp_tool(name, None)
+
+
+def llama_cpp_rates(
+    folder: str | None, files: dict[str, str], args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """llama.cpp's figures from the build in ``folder``: workload -> weight file kind -> tokens/s."""
+    peer: dict[str, dict[str, float]] = {}
+    bench_bin, batched_bin = tool(folder, "llama-bench"), tool(folder, "llama-batched-bench")
+    server_bin = tool(folder, "llama-server")
     for kind, path in files.items():
         figures: dict[str, Any] = {}
         if bench_bin:
@@ -153,8 +171,14 @@ def main() -> None:
                 figures["server 16 conc"] = server_rate(url, f"llama-server {kind}", args)
         for name, value in figures.items():
             peer.setdefault(name, {})[kind] = value
+    return peer
 
-    print(f"\n{'workload':24}{'tokenmill':>12}{'llama.cpp best':>22}{'ratio':>8}{'target':>8}  all llama.cpp")
+
+def print_table(
+    isa: str, folder: str | None, ours: dict[str, float], peer: dict[str, dict[str, float]]
+) -> None:
+    print(f"\npath {isa} (llama.cpp from {folder or 'PATH'})")
+    print(f"{'workload':24}{'tokenmill':>12}{'llama.cpp best':>22}{'ratio':>8}{'target':>8}  all llama.cpp")
     for name, target in TARGETS.items():
         if name not in ours:
             continue
@@ -168,6 +192,49 @@ def main() -> None:
         verdict = "met" if ratio >= target else "NOT met"
         best = f"{by_kind[best_kind]:.1f} ({best_kind})"
         print(f"{name:24}{ours[name]:12.1f}{best:>22}{ratio:7.2f}x{target:6.1f}x {verdict}  {others}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--server-prompts", type=int, default=64)
+    parser.add_argument(
+        "--dtype", default="auto", help="auto: bfloat16 on the AVX-512 paths, float32 on avx2"
+    )
+    parser.add_argument("--quantization", default=None, help="tokenmill weight quantization (int8 or int4)")
+    parser.add_argument("--weights", default="Q4_1,Q8_0,BF16", help="llama.cpp weight files to try")
+    parser.add_argument(
+        "--isa",
+        default="auto",
+        help="comma-separated TOKENMILL_CPU_ISA paths to run a row each for (amx, avx512_bf16, avx512, "
+        "avx2; auto: the CPU's best)",
+    )
+    parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--offline-json", action="store_true", help=argparse.SUPPRESS)  # the child's mode
+    args = parser.parse_args()
+
+    if args.offline_json:
+        from tokenmill.layers.cpu_isa import cpu_isa
+
+        print(json.dumps({"isa": cpu_isa(), "rates": tokenmill_offline(args)}))
+        return
+    print(
+        f"{cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'default weights: lossless int4 on exactly 4-bit layers'})"
+    )
+    gguf = bundled_gguf()
+    files = {"Q4_1": gguf}
+    quantize = tool(os.environ.get("LLAMA_CPP_BIN"), "llama-quantize")
+    for kind in args.weights.split(","):
+        if kind != "Q4_1" and quantize is not None:
+            files[kind] = requantized(gguf, quantize, kind, Path.home() / ".cache/tokenmill-bench")
+    for isa in args.isa.split(","):
+        ran, ours = tokenmill_path_rates(isa, args)
+        folder = llama_cpp_folder(ran)
+        print_table(ran, folder, ours, llama_cpp_rates(folder, files, args))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,22 @@ def fused_cpu_ops_enabled() -> bool:
     return value == "1"
 
 
+# The CPU kernels' instruction-set paths, best first (``layers/cpu_isa.py`` maps each to compile flags).
+CPU_ISAS = ("amx", "avx512_bf16", "avx512", "avx2")
+
+
+def cpu_isa_choice() -> str | None:
+    """``TOKENMILL_CPU_ISA``: the instruction set the CPU kernels (and torch's own kernels) are held
+    to, one of :data:`CPU_ISAS`; None (unset or ``auto``) means the best this CPU has. Whether the CPU
+    can run the choice is checked where the kernels are built (``layers/cpu_isa.py``)."""
+    value = os.environ.get("TOKENMILL_CPU_ISA") or "auto"
+    if value == "auto":
+        return None
+    if value not in CPU_ISAS:
+        raise ValueError(f"TOKENMILL_CPU_ISA must be auto or one of {CPU_ISAS}, got {value!r}")
+    return value
+
+
 def cache_root() -> str:
     """tokenmill's cache folder: ``$TOKENMILL_CACHE_DIR``, by default ``$XDG_CACHE_HOME/tokenmill``
     (``~/.cache/tokenmill``)."""

@@ -194,7 +194,7 @@ def test_the_op_names_a_wrong_weight_bias_or_cache_list() -> None:
             [hidden] * 6,
             [None] * 4,
             [cache],
-            "float32 panels go with float32 hidden states, int4 weights with bfloat16",
+            "float32 panels go with float32 hidden states",
         ),
     ):
         with pytest.raises(RuntimeError, match=message):

@@ -143,8 +143,8 @@ def test_kernel_rejects_bad_shapes() -> None:
     packed, scales, mins = quantize_int4(torch.randn(8, 64, dtype=BF16))
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
         int4_linear(torch.randn(2, 32, dtype=BF16), packed, scales, mins, None)
-    with pytest.raises(RuntimeError, match="x must be a bfloat16"):
-        int4_linear(torch.randn(2, 64), packed, scales, mins, None)
+    with pytest.raises(RuntimeError, match="x must be a bfloat16 or float32"):
+        int4_linear(torch.randn(2, 64, dtype=torch.float16), packed, scales, mins, None)
     with pytest.raises(RuntimeError, match="scales and mins must be"):
         int4_linear(torch.randn(2, 64, dtype=BF16), packed, scales[:, :1].contiguous(), mins, None)
 

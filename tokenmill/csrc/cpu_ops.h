@@ -1,6 +1,7 @@
 // The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
 // them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
-// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear), f32_gemm_cpu.cpp
+// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear; float32 rows in
+// group_gemm_f32_cpu.cpp), f32_gemm_cpu.cpp
 // (float32 panel linear), paged_attention_cpu.cpp (KV write, decode attention), prefill_attention_cpu.cpp
 // and prefill_attention_f32_cpu.cpp (prompt chunks).
 #pragma once
@@ -24,6 +25,10 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method);
+// float32 rows times int4 / exact 8-bit groups (group_gemm_f32_cpu.cpp); the formats checked by the caller.
+at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& mins);
+at::Tensor q8_linear_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                             int64_t out_features);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,

@@ -11,8 +11,8 @@
 //   x, residual = add_rms_norm(x, residual)
 //   return linear(silu_and_mul(linear(x, gate_up)), down)
 // and after the last layer: x, residual = add_rms_norm(x, residual) with the final norm's weight.
-// `linear` is int4_linear for bfloat16 activations (int4 weights) and f32_panel_linear for float32 ones
-// (weights in float32 panels, on CPUs without AVX-512).
+// `linear` is int4_linear for int4 weights (bfloat16 activations, or float32 ones: the weights' float32
+// values) and f32_panel_linear for float32 panels (float32 activations, on CPUs without AVX-512).
 //
 // Why: with int4 weights a single-sequence decode step of a small model spends about as long in
 // Python and the dispatcher (about 12 operator calls and a dozen module calls per layer) as in the
@@ -25,8 +25,8 @@
 //   hidden       [S, hidden] bfloat16 or float32, contiguous: the embeddings (overwritten)
 //   weights      per layer, in order: [input_norm, post_attention_norm, then the weights of qkv, o,
 //                gate_up, down] in hidden's dtype; for bfloat16 the projections' (packed, scales,
-//                mins), int4 in layers/int4.py's format (14 tensors), for float32 their panels
-//                [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp; 6 tensors); then, for layers with
+//                mins), int4 in layers/int4.py's format (14 tensors; float32 hidden too), or for
+//                float32 their panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp; 6 tensors); then, for layers with
 //                per-head q/k RMSNorms, their two weights [head_dim] (16 or 8 tensors): every layer the
 //                same count, 14, 16, 6 or 8
 //   biases       per layer [qkv, o, gate_up, down]: each projection's bias (added to its output) or
@@ -222,8 +222,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden
   TORCH_CHECK(weights.size() % layers == 0 && layout.has_value(), "weights must hold ", kNumWeights, " or ",
               kNumWeights + kNumHeadNorms, " (int4), ", kNumPanelWeights, " or ", kNumPanelWeights + kNumHeadNorms,
               " (float32 panels) tensors per layer (", layers, " layers), got ", weights.size());
-  TORCH_CHECK((layout->per_projection == 1) == (hidden.scalar_type() == at::kFloat),
-              "float32 panels go with float32 hidden states, int4 weights with bfloat16 ones");
+  TORCH_CHECK(layout->per_projection == 3 || hidden.scalar_type() == at::kFloat,
+              "float32 panels go with float32 hidden states (int4 weights with bfloat16 or float32 ones)");
   TORCH_CHECK(biases.size() == kNumProjections * layers, "biases must hold ", kNumProjections,
               " entries per layer (", layers, " layers), got ", biases.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");

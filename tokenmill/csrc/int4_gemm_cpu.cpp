@@ -397,9 +397,13 @@ bool tiles_available(int64_t in) {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t method) {
   check_format(packed, scales, mins);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a bfloat16 CPU tensor [rows, in] with contiguous rows");
   TORCH_CHECK(method >= kAuto && method <= kTiles, "method must be 0 (auto), 1 (rows) or 2 (tiles), got ", method);
+  if (x.scalar_type() == at::kFloat) {  // float32 rows: the weights' float32 values, no bfloat16 rounding
+    TORCH_CHECK(method != kTiles, "the int4 tile path takes bfloat16 rows, not float32");
+    return ops::int4_linear_f32(x, packed, scales, mins);
+  }
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a bfloat16 or float32 CPU tensor [rows, in] with contiguous rows");
   const int64_t rows = x.size(0), out_features = packed.size(0), in = packed.size(1) * 2;
   TORCH_CHECK(x.size(1) == in, "x has ", x.size(1), " features, the weight ", in);
   const bool tiles = method == kTiles || (method == kAuto && rows >= kTilesFromRows && tiles_available(in));

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "cpu_ops.h"
 #include "group_gemm.h"
 
 namespace tokenmill {
@@ -89,8 +90,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == out_features && scales.size(1) == in / kGroup,
               "scales must be contiguous float16 [", out_features, ", ", in / kGroup, "]");
+  if (x.scalar_type() == at::kFloat) return ops::q8_linear_f32(x, q, scales);  // values d * q, unrounded
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a bfloat16 CPU tensor [rows, in] with contiguous rows");
+              "x must be a bfloat16 or float32 CPU tensor [rows, in] with contiguous rows");
   TORCH_CHECK(x.size(1) == in, "x has ", x.size(1), " features, the weight ", in);
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());

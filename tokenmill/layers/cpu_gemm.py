@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.cpu_isa import bfloat16_instructions, cpu_isa
 from tokenmill.layers.cpu_kernels import load_error
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,10 @@ class PackedWeight:
 
 def cpu_computes_bfloat16() -> bool:
     """Whether this CPU has bfloat16 instructions that oneDNN uses (AVX-512 BW/VL/DQ, AMX or
-    AVX-NE-CONVERT). Without them (a plain AVX2 machine) bfloat16 products are emulated."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    AVX-NE-CONVERT) and the ``TOKENMILL_CPU_ISA`` path is above ``avx2``. Without them (a plain AVX2
+    machine, or the ``avx2`` path) bfloat16 products are emulated."""
+    isa = cpu_isa()
+    return (isa is None or bfloat16_instructions()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @functools.cache
@@ -59,8 +62,8 @@ def float32_panels_available() -> bool:
 
 def float32_panels_preferred() -> bool:
     """Whether float32 weights go into panels rather than oneDNN's layout: the panel kernel runs and
-    the CPU has no AVX-512 (the CPUs it was measured on; with AVX-512 oneDNN has wider kernels)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2" and float32_panels_available()
+    the path is ``avx2`` (the CPUs it was measured on; with AVX-512 oneDNN has wider kernels)."""
+    return cpu_isa() == "avx2" and float32_panels_available()
 
 
 def _onednn_available() -> bool:

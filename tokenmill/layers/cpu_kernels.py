@@ -4,8 +4,9 @@ argmax ops that ``tokenmill.layers.fused_cpu`` dispatches to, the int4 linear la
 ``tokenmill.layers.int4`` and the float32 panel linear of ``tokenmill.layers.cpu_gemm``.
 
 The kernels are compiled with ``torch.utils.cpp_extension`` on first use, for the machine it runs on
-(``-march=native``), into ``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the
-sources, the flags, the torch version and the CPU's feature flags, so an edit, a torch upgrade or a
+(``-march=native``, less the features above ``TOKENMILL_CPU_ISA``'s path: ``layers/cpu_isa.py``), into
+``extension_cache_dir()/paged_attention_cpu-<key>``. The key hashes the sources, the flags (so each
+path has its own build), the torch version and the CPU's feature flags, so an edit, a torch upgrade or a
 different CPU gets its own build while every later start loads the cached library in milliseconds.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import extension_cache_dir
+from tokenmill.layers.cpu_isa import apply_torch_environment, compile_flags
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ SOURCES = [
     CSRC / "prefill_attention_cpu.cpp",
     CSRC / "prefill_attention_f32_cpu.cpp",
     CSRC / "f32_gemm_cpu.cpp",
+    CSRC / "group_gemm_f32_cpu.cpp",
 ]
 HEADERS = [
     CSRC / "vec16.h",
@@ -46,13 +49,18 @@ HEADERS = [
 ]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 MAX_HEAD_DIM = 1024  # the decode kernel's widest head (MLA's latent: 576 for DeepSeek-V3)
 # torch's extension build holds a lock file in the build folder while it compiles, and a later build
 # waits for it to go: one left by a process killed mid-build would make every start wait for ever. A
 # build takes about a minute on 2 cores; a lock older than this is stale.
 STALE_BUILD_LOCK_SECONDS = 900.0
+
+
+def cflags() -> tuple[str, ...]:
+    """The compile flags: ``-O3 -fopenmp`` and ``-march=native`` less the features above the
+    ``TOKENMILL_CPU_ISA`` path (``layers/cpu_isa.py``; plain ``-march=native`` on the default path)."""
+    return ("-O3", *compile_flags(), "-fopenmp")
 
 
 def _cpu_flags() -> str:
@@ -71,7 +79,7 @@ def build_directory() -> Path:
     digest = hashlib.sha256()
     for path in [*SOURCES, *HEADERS]:
         digest.update(path.read_bytes())
-    for part in (" ".join((*CFLAGS, *LDFLAGS)), torch.__version__):
+    for part in (" ".join((*cflags(), *LDFLAGS)), torch.__version__):
         digest.update(part.encode())
     digest.update(_cpu_flags().encode())
     return Path(extension_cache_dir()) / f"paged_attention_cpu-{digest.hexdigest()[:16]}"
@@ -122,6 +130,7 @@ def load_error() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        apply_torch_environment()
         folder = build_directory()
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale_build_lock(folder)
@@ -133,7 +142,7 @@ def load_error() -> str | None:
         cpp_extension.load(
             name=NAME,
             sources=stage_sources(folder, [*SOURCES, *HEADERS])[: len(SOURCES)],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(cflags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,

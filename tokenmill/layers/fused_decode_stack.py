@@ -6,7 +6,8 @@ per step, ``run`` either runs every remaining layer and the final norm through
 layer modules. Which steps it takes is the attention backend's choice
 (``CpuPagedBackend.stack_attention``: the rows its kernels attend as decodes, prompt chunks through
 the prefill kernel or as decodes); the hook adds only what the op itself needs (every layer's
-projections on the int4 kernel in bfloat16, or float32 panels, and few enough rows for them).
+projections on the int4 kernel, or float32 panels, and few enough rows for them; a float32 model's
+int4 layers take small steps on the int4 kernel and larger ones on their panels).
 The op gives the same bits as the layer modules, so taking it or not changes no output.
 """
 
@@ -21,6 +22,7 @@ from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
 from tokenmill.layers.forward_batch import ForwardBatch
+from tokenmill.layers.int4 import INT4_FLOAT32_MAX_ROWS
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
@@ -58,11 +60,12 @@ class FusedDecodeWeights:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, parts: LlamaLayerParts) -> FusedDecodeWeights | None:
+    def of(cls, parts: LlamaLayerParts, int4: bool = True) -> FusedDecodeWeights | None:
         """The layer's tensors, or None unless it is exactly what the op computes: the CPU kernel
         attention, static rotary, no tensor parallelism, and either bfloat16 norms (q/k norms too, if
-        any) with all four projections on the int4 kernel, or float32 norms with all four on float32
-        panels (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
+        any) with all four projections on the int4 kernel, or float32 norms with all four on the int4
+        kernel (when ``int4``: a float32 model's exactly 4-bit layers) or on float32 panels
+        (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
         if not isinstance(parts.attention, CpuPagedBackend):
             return None
         rotary = parts.rotary
@@ -81,9 +84,9 @@ class FusedDecodeWeights:
             if linear.tp_size != 1 or linear.weight.dtype != dtype:
                 return None
             int4_weight, packed = linear.int4_weight, linear.packed_weight
-            if dtype == torch.bfloat16 and int4_weight is not None:
+            if int4_weight is not None and (dtype == torch.bfloat16 or int4):
                 fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
-                max_rows.append(int4_weight.max_rows)
+                max_rows.append(int4_weight.max_rows if dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
             elif (
                 dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
             ):
@@ -115,6 +118,8 @@ class FusedDecodeStack:
     final_norm: torch.Tensor  # [hidden]
     shape: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
     eps: float
+    # float32 with int4 layers: the same layers on their float32 panels, for steps above max_rows.
+    wide: FusedDecodeStack | None = None
 
     @classmethod
     def build(
@@ -126,8 +131,23 @@ class FusedDecodeStack:
     ) -> FusedDecodeStack | None:
         """The stack of a model's layers (``parts`` in layer order; None for a layer that is not of
         this form), or None unless every layer fits the op and all are laid out alike (one dtype, the
-        same number of weights each: the op reads one layout for all), in the final norm's dtype."""
-        per_layer = [None if p is None else FusedDecodeWeights.of(p) for p in parts]
+        same number of weights each: the op reads one layout for all), in the final norm's dtype. A
+        float32 stack on int4 layers carries a ``wide`` one on their panels for larger steps."""
+        stack = cls._of(parts, final_norm, shape, eps, int4=True)
+        if stack is not None and stack.dtype == torch.float32 and stack.max_rows < PANELS_MAX_ROWS:
+            stack.wide = cls._of(parts, final_norm, shape, eps, int4=False)
+        return stack
+
+    @classmethod
+    def _of(
+        cls,
+        parts: list[LlamaLayerParts | None],
+        final_norm: torch.Tensor,
+        shape: tuple[int, int, int],
+        eps: float,
+        int4: bool,
+    ) -> FusedDecodeStack | None:
+        per_layer = [None if p is None else FusedDecodeWeights.of(p, int4) for p in parts]
         layers = [layer for layer in per_layer if layer is not None]
         if not layers or len(layers) != len(per_layer):
             return None
@@ -159,6 +179,8 @@ class FusedDecodeStack:
         output ``[num_tokens, hidden_size]``, or the ``LayerProgress`` where ``batch.control``'s flag
         stopped it. None when the step does not take the op (the model runs its layer modules)."""
         num_tokens = hidden.shape[0]
+        if num_tokens > self.max_rows and self.wide is not None:
+            return self.wide.run(hidden, batch)
         if num_tokens > self.max_rows or hidden.dtype != self.dtype or not fused_cpu.applies_to(hidden):
             return None
         rows = self.backend.stack_attention(batch.attn, num_tokens, hidden.dtype, batch.kv_caches[0])

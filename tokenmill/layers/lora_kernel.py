@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import extension_cache_dir
-from tokenmill.layers.cpu_kernels import CFLAGS, LDFLAGS, _cpu_flags, remove_stale_build_lock, stage_sources
+from tokenmill.layers.cpu_kernels import LDFLAGS, _cpu_flags, cflags, remove_stale_build_lock, stage_sources
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def _build_directory(extra_flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256()
     for path in (SOURCE, *HEADERS):
         digest.update(path.read_bytes())
-    for part in (" ".join((*CFLAGS, *extra_flags, *LDFLAGS)), torch.__version__, _cpu_flags()):
+    for part in (" ".join((*cflags(), *extra_flags, *LDFLAGS)), torch.__version__, _cpu_flags()):
         digest.update(part.encode())
     return Path(extension_cache_dir()) / f"lora_cpu-{digest.hexdigest()[:16]}"
 
@@ -47,7 +47,7 @@ def _build(name: str, extra_flags: tuple[str, ...]) -> str | None:
         cpp_extension.load(
             name=name,
             sources=stage_sources(folder, [SOURCE, *HEADERS])[:1],
-            extra_cflags=[*CFLAGS, *extra_flags],
+            extra_cflags=[*cflags(), *extra_flags],
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,

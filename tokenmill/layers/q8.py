@@ -5,7 +5,9 @@ Format: a weight ``[out, in]`` in groups of 32 consecutive input features, per g
 ``d`` (tensor ``[out, in / 32]``) and int8 ``q`` (tensor ``[out, in]``); element value
 ``round_bf16(float(d) * q)`` (the product is exact in float32). A Q8_0 GGUF tensor loaded in bfloat16
 holds exactly these values, so a layer whose weight passes :func:`exact_q8_groups` can stream half
-the bytes of bfloat16 for the same weight values: not a quantization. Our kernel
+the bytes of bfloat16 for the same weight values: not a quantization. In float32 the values are
+``float(d) * q`` unrounded (a Q8_0 tensor loaded in float32), for float32 rows
+(``csrc/group_gemm_f32_cpu.cpp``). Our kernel
 (``csrc/q8_gemm_cpu.cpp``, the row kernel of ``csrc/group_gemm.h``) decodes each group once per call
 and multiplies it with every input row (bfloat16 dot products, float32 accumulation).
 """
@@ -23,6 +25,9 @@ GROUP_SIZE = 32
 # head (49152 x 576, 2 threads) 1.20 vs 1.48 ms at one row, even at two, 2.25 vs 1.50 ms at four.
 # Larger steps use the bfloat16 weight.
 Q8_MAX_ROWS = 1
+# float32 rows: the same bound as int4's on float32 rows (layers/int4.py INT4_FLOAT32_MAX_ROWS, measured
+# on the projections and this head together).
+Q8_FLOAT32_MAX_ROWS = 3
 
 
 def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -35,10 +40,27 @@ def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
     error = load_error()
     if error is not None:
         raise RuntimeError(f"exact 8-bit groups need the C++ CPU kernels, which are unavailable: {error}")
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+        return None
+    if weight.dtype == torch.float32:
+        return _exact_float32_groups(weight)
+    if weight.dtype != torch.bfloat16:
         return None
     q, scales, found = torch.ops.tokenmill.q8_groups_of(weight.contiguous())
     return (q, scales) if found else None
+
+
+def _exact_float32_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact 8-bit groups of a float32 weight: values ``d * q`` unrounded (a Q8_0 tensor dequantized
+    in float32). A Q8_0 group's largest ``|q|`` is 127, so ``d = max|w| / 127`` exactly."""
+    out_features = weight.shape[0]
+    groups = weight.reshape(out_features, -1, GROUP_SIZE)  # [out, G, 32]
+    scales = (groups.abs().amax(dim=2) / 127.0).to(torch.float16)  # [out, G]
+    d = scales.float()[..., None]  # [out, G, 1]
+    q = torch.where(d > 0, torch.round(groups / torch.where(d > 0, d, 1.0)), 0.0).clamp(-127, 127)
+    if not torch.equal(q * d, groups):
+        return None
+    return q.to(torch.int8).reshape(out_features, -1), scales
 
 
 def dequantize_q8_reference(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -57,8 +79,11 @@ class Q8Weight:
     max_rows: int = Q8_MAX_ROWS
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows."""
-        return x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.bfloat16
+        """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows, or float32
+        with 1 to ``Q8_FLOAT32_MAX_ROWS``."""
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        return 0 < x.shape[0] <= (self.max_rows if x.dtype == torch.bfloat16 else Q8_FLOAT32_MAX_ROWS)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` ``[rows, out_features]`` in bfloat16 (float32 accumulation)."""

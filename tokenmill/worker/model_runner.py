@@ -28,6 +28,7 @@ from tokenmill.layers.attention import SequenceStep, select_backend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
 from tokenmill.layers.batch_invariant import make_batch_invariant
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
+from tokenmill.layers.cpu_isa import apply_torch_environment
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.forward_batch import ForwardBatch
@@ -93,6 +94,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = torch.device(config.model.device)
+        if self.device.type == "cpu":
+            apply_torch_environment()  # TOKENMILL_CPU_ISA's hold on torch, before its first CPU kernel
         self.dtype = resolve_dtype("float32" if config.rl_exact_logprobs else config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.interrupt: InterruptFlag | None = None  # see set_interrupt
@@ -268,14 +271,16 @@ class ModelRunner:
         return count
 
     def _keep_exact_copies(self) -> tuple[int, int]:
-        """On CPU in bfloat16, give the int4 kernel to every linear layer whose loaded values are
+        """On CPU in bfloat16 or float32 (not under rl_exact_logprobs, whose float32 products keep
+        torch's order), give the int4 kernel to every linear layer whose loaded values are
         exactly 4-bit groups (a Q4_0 / Q4_1 GGUF's layers, also through the converted-GGUF cache; any
         other weight fails a one-row screen at once), and the 8-bit kernel to every LM head whose
         weight is exactly 8-bit groups (a Q8_0 tensor, such as the bundled SmolLM2's tied embedding,
         layers/q8.py): small steps then stream a quarter / half of the bytes and compute with the
         same weight values, so nothing is lost. Returns how many layers and heads; (0, 0) when the
         kernels are unavailable (then nothing changes: this is not an opt-in mode)."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or load_error() is not None:
+        exact_dtypes = (torch.bfloat16,) if self.config.rl_exact_logprobs else (torch.bfloat16, torch.float32)
+        if self.device.type != "cpu" or self.dtype not in exact_dtypes or load_error() is not None:
             return 0, 0
         layers = heads = 0
         for module in self.model.modules():

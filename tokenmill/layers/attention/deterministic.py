@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.layers.attention.cpu_paged import KERNEL_DTYPES
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, load_error, paged_attention_decode
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DeterministicBackend(TorchReferenceBackend):

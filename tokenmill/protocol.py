@@ -278,6 +278,10 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True):
     state_slot: int = -1
     state_source: int = -1
     state_checkpoints: list[tuple[int, int]] = []
+    # Models with a sliding-window KV group (core/kv/window_group.py): that group's table, sent whole
+    # each step as the number of released leading entries and the blocks held after them (-1: none).
+    window_released: int = -1
+    window_blocks: list[int] = []
 
 
 class GrammarBitmaskData(msgspec.Struct, kw_only=True):

@@ -49,6 +49,8 @@ class ScheduledRequest:
     ``state_source`` into it (-1: none; the slot is zeroed instead when the step starts at position
     0), and ``state_checkpoints`` lists ``(position, snapshot slot)`` pairs: the state after the
     tokens before ``position`` is to be copied into that slot (positions inside this step's range).
+    ``window_block_table`` is the sliding-window layers' own table when the model keeps them in a
+    second KV group (``core/kv/window_group.py``; entries -1 were released), else None.
     """
 
     request_id: str
@@ -68,6 +70,7 @@ class ScheduledRequest:
     state_slot: int = -1
     state_source: int = -1
     state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    window_block_table: list[int] | None = None
 
     @property
     def end_position(self) -> int:

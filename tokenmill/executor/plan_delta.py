@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.core.kv.manager import RELEASED_BLOCK
 from tokenmill.core.step_io import (
     GrammarBitmask,
     ModelRunnerOutput,
@@ -81,6 +82,8 @@ class PlanEncoder:
             delta.draft_token_ids = list(entry.draft_token_ids)
             delta.state_slot, delta.state_source = entry.state_slot, entry.state_source
             delta.state_checkpoints = list(entry.state_checkpoints)
+            if entry.window_block_table is not None:
+                delta.window_released, delta.window_blocks = _split_released(entry.window_block_table)
             scheduled.append(delta)
         return StepPlanData(
             new_requests=new_requests,
@@ -228,7 +231,20 @@ class PlanDecoder:
             state_slot=delta.state_slot,
             state_source=delta.state_source,
             state_checkpoints=[(position, slot) for position, slot in delta.state_checkpoints],
+            window_block_table=(
+                None
+                if delta.window_released < 0
+                else [RELEASED_BLOCK] * delta.window_released + list(delta.window_blocks)
+            ),
         )
+
+
+def _split_released(table: list[int]) -> tuple[int, list[int]]:
+    """A window-group table as (its released leading entries, the blocks after them)."""
+    released = 0
+    while released < len(table) and table[released] == RELEASED_BLOCK:
+        released += 1
+    return released, table[released:]
 
 
 def _cached(

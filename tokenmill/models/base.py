@@ -63,6 +63,11 @@ class CausalLM(nn.Module):
         """Each layer's attention window; the backend builds one metadata per distinct entry."""
         return [self.sliding_window] * self.num_layers
 
+    # Whether the sliding-window layers may keep their KV in a second group with its own pool and
+    # block table, freed behind the window as decoding proceeds (worker/kv_groups.py); the model's
+    # layers must read their metadata through ``batch.attention(window)``.
+    window_kv_group: bool = False
+
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
         """Logits ``[num_logit_rows, vocab_size]`` for ``batch.logits_rows`` (float32 or the activation
         dtype), or the ``LayerProgress`` where ``batch.control`` stopped the pass (nothing projected)."""

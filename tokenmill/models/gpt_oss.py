@@ -282,6 +282,8 @@ class GptOssForCausalLM(CausalLM):
         if args.mxfp4:
             _log_mxfp4_memory(args, dtype)
 
+    window_kv_group = True  # the sliding layers' blocks are freed behind the window (core/kv/window_group.py)
+
     @property
     def sliding_window(self) -> int | None:
         """A window shared by every layer, or None: the full layers see the whole sequence."""

@@ -59,6 +59,7 @@ from tokenmill.worker.kv_cache import (
     default_num_blocks,
     num_blocks_for_budget,
 )
+from tokenmill.worker.kv_groups import WindowKVGroup
 from tokenmill.worker.spec_step import draft_contexts, verify_entries
 from tokenmill.worker.state_cache import StateCache
 from tokenmill.worker.tp_step_control import step_control_for
@@ -187,14 +188,30 @@ class ModelRunner:
             kv_dtype,
             kv_spec.num_planes,
         )
-        self.kv_caches = allocate_kv_caches(
-            self.num_blocks, dtype=kv_dtype, device=self.device, **self._kv_shape()
+        # Sliding-window layers in a pool of their own (worker/kv_groups.py), when the model opts in.
+        self.window_group = WindowKVGroup.plan(
+            self.model.layer_sliding_windows,
+            self.model.window_kv_group,
+            config,
+            self.num_blocks,
+            _context_tokens(config, source),
         )
+        if self.window_group is not None:
+            self.num_blocks = self.window_group.num_full_blocks
+            self.kv_cache_bytes = self.window_group.cache_bytes(
+                self.block_size, kv_spec.num_kv_heads, kv_spec.head_dim, kv_dtype, kv_spec.num_planes
+            )
+        self.kv_caches = self._new_kv_caches(kv_dtype)
         # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault), a
         # few steps' worth of blocks beyond the highest one written: resident memory follows use.
         ahead_tokens = PREFAULT_AHEAD_STEPS * config.scheduler.max_num_batched_tokens
         self.kv_prefaulter = (
-            IdlePrefaulter(self.kv_caches, ahead_blocks=-(-ahead_tokens // self.block_size))
+            IdlePrefaulter(
+                self.kv_caches
+                if self.window_group is None
+                else self.window_group.full_layer_caches(self.kv_caches),
+                ahead_blocks=-(-ahead_tokens // self.block_size),
+            )
             if config.cache.prefault and self.device.type == "cpu"
             else None
         )
@@ -367,9 +384,7 @@ class ModelRunner:
             self._released_weights = None
             self.weights.reload()
         if kv_cache and not self.kv_caches:
-            self.kv_caches = allocate_kv_caches(
-                self.num_blocks, dtype=self._kv_dtype, device=self.device, **self._kv_shape()
-            )
+            self.kv_caches = self._new_kv_caches(self._kv_dtype)
 
     def _make_lora(self, config: EngineConfig) -> LoRAManager | None:
         """Wrap the projections for LoRA (``lora/manager.py``) when enabled; a ValueError for a model
@@ -435,11 +450,8 @@ class ModelRunner:
             return num_blocks_for_budget(
                 cache.kv_cache_memory, self.device, dtype=kv_dtype, **self._kv_shape()
             )
-        # The context window as the engine core will set it (before the pool caps it).
-        model_limit = int(getattr(source.hf_config, "max_position_embeddings", 0) or 0) or 2048
-        window = min(config.model.max_model_len or model_limit, model_limit)
         return default_num_blocks(
-            config.scheduler.max_num_seqs * window,
+            config.scheduler.max_num_seqs * _context_tokens(config, source),
             cache.kv_cache_memory_fraction,
             self.device,
             dtype=kv_dtype,
@@ -475,6 +487,18 @@ class ModelRunner:
         if self.state_cache is None:
             return [0, 0]
         return [self.state_cache.num_slots, self.state_cache.slot_bytes]
+
+    def kv_window_group_info(self) -> list[int]:
+        """``[window, blocks of the window pool]`` when the sliding layers form their own KV group
+        (``worker/kv_groups.py``), else ``[0, 0]``."""
+        group = self.window_group
+        return [0, 0] if group is None else [group.window, group.num_window_blocks]
+
+    def _new_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Zeroed cache tensors: one pool for all layers, or the window group's two."""
+        if self.window_group is not None:
+            return self.window_group.allocate(dtype=dtype, device=self.device, **self._kv_shape())
+        return allocate_kv_caches(self.num_blocks, dtype=dtype, device=self.device, **self._kv_shape())
 
     def _kv_shape(self) -> dict[str, int]:
         """The cache's shape as ``worker/kv_cache.py`` takes it, from the model's ``kv_cache_spec``."""
@@ -689,6 +713,10 @@ class ModelRunner:
         attn_by_window = self.attn_backend.build_metadata(
             sequences, slot_mapping, bs, self.layer_sliding_windows
         )
+        if self.window_group is not None:  # the sliding layers read their own table
+            attn_by_window.update(
+                self.window_group.build_metadata(self.attn_backend, entries, offsets, bs, self.device)
+            )
         if any(entry.draft_token_ids for entry in entries):
             for metadata in attn_by_window.values():
                 metadata.rows_as_decodes_preferred = True
@@ -758,3 +786,9 @@ def _to_position_logprobs(
         )
         for i in range(len(rank_list))
     ]
+
+
+def _context_tokens(config: EngineConfig, source: ModelSource) -> int:
+    """The context window as the engine core will set it (before the pool caps it)."""
+    model_limit = int(getattr(source.hf_config, "max_position_embeddings", 0) or 0) or 2048
+    return min(config.model.max_model_len or model_limit, model_limit)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import TinyModel, TinySpec, save_tiny_model
 from tests.models.test_llama_family import as_inputs, assert_position_logprobs, greedy
 from tokenmill import LLM
+from tokenmill.core.kv.window_group import WindowGroupKVManager
 from tokenmill.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tokenmill.models.gpt_oss import GptOssArgs, GptOssForCausalLM
 
@@ -124,9 +125,11 @@ def test_prefix_cache_hit_and_preemption_keep_the_tokens(tiny_gpt_oss: TinyModel
 
 
 def test_full_layers_keep_every_block(llm: LLM) -> None:
-    """Half the layers attend globally, so no block may be released behind the window (the KV manager
-    frees blocks only when every layer is windowed); the sliding layers still read only the window."""
-    assert llm.engine.kv_manager.sliding_window is None
+    """Half the layers attend globally, so their group never releases a block; the sliding layers'
+    own group does (tests/models/test_gpt_oss_window_group.py)."""
+    kv = llm.engine.kv_manager
+    assert isinstance(kv, WindowGroupKVManager)
+    assert kv.sliding_window is None and kv.window.sliding_window == WINDOW
     assert llm.engine.executor.runner.kv_window is None
 
 

@@ -9,12 +9,16 @@ output.
 
 from __future__ import annotations
 
+import msgspec
+
 from tests.unit.test_scheduler import FakeRunner, Harness, make_request, next_token
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv.manager import RELEASED_BLOCK, cdiv
 from tokenmill.core.kv.window_group import WindowGroupKVManager
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.plan_delta import PlanDecoder, PlanEncoder
+from tokenmill.protocol import StepPlanData
 
 WINDOW = 6
 BLOCK = 4
@@ -173,3 +177,36 @@ def test_allocation_is_all_or_nothing_across_the_groups() -> None:
     kv.check_integrity()
     kv.free("a")
     assert kv.all_free_or_cached() and kv.window.pool.num_free == 3
+
+
+class WireRunner(TwoGroupRunner):
+    """Runs each plan as a worker process would get it: encoded, through msgpack, and rebuilt."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.encoder, self.decoder = PlanEncoder(), PlanDecoder()
+        self.num_released_seen = 0
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        wire = msgspec.msgpack.encode(self.encoder.encode(plan))
+        rebuilt = self.decoder.decode(msgspec.msgpack.decode(wire, type=StepPlanData))
+        assert rebuilt.scheduled == plan.scheduled  # window tables included
+        for entry in rebuilt.scheduled:
+            assert entry.window_block_table is not None
+            self.num_released_seen = max(
+                self.num_released_seen, entry.window_block_table.count(RELEASED_BLOCK)
+            )
+        return super().execute(rebuilt)
+
+
+def test_window_tables_cross_the_wire() -> None:
+    h = harness(num_blocks=64, num_window_blocks=12, prefix_caching=True, budget=5)
+    runner = WireRunner(BLOCK)
+    h.runner = runner
+    prompts = {f"r{i}": [3 + (7 * i + j) % 50 for j in range(n)] for i, n in enumerate((2, 13, 25, 7))}
+    for request_id, prompt in prompts.items():
+        h.add(request_id, prompt, max_tokens=30)
+    h.run()
+    assert runner.num_released_seen > 2
+    for request_id, prompt in prompts.items():
+        assert h.outputs[request_id] == reference(prompt, 30), request_id

@@ -64,6 +64,12 @@ def test_the_window_layers_get_a_smaller_pool_of_their_own(model: TinyModel) -> 
     kv = kv_of(llm)
     assert kv.window.num_blocks == 21 and kv.num_blocks == 64
 
+    # Sized from memory (4 sequences of 80 tokens: 80 blocks a layer), the two sliding layers' spare
+    # 80 - 21 blocks go to the two full layers.
+    sized = make_llm(model, num_blocks=None).engine.executor.runner.window_group
+    assert sized is not None
+    assert (sized.num_window_blocks, sized.num_full_blocks) == (21, 80 + 80 - 21)
+
 
 def test_greedy_through_chunks_and_preemption(model: TinyModel) -> None:
     # 30 full blocks (21 for the window group) for four requests growing to 29-65 tokens (46 blocks

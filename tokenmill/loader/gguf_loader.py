@@ -10,7 +10,8 @@ tensors are undone here:
 - For Gemma it stored RMSNorm weights as ``1 + w`` (ggml multiplies by the weight; Gemma's norm
   multiplies by ``1 + w``).
 
-Qwen2/Qwen3 files are stored in Hugging Face order and need neither.
+Qwen2/Qwen3 files are stored in Hugging Face order and need neither. gpt-oss and DeepSeek-V3 / Kimi K2
+(``deepseek2``) files have their own config and tensor mapping (``gguf_moe.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.config import model_cache_dir
+from tokenmill.loader import gguf_moe
 from tokenmill.loader.gguf_index import GGUFIndex, IndexedTensor
 
 logger = logging.getLogger(__name__)
@@ -129,7 +131,8 @@ def _rules(path: str) -> _ArchRules:
 
 def check_supported(path: str) -> None:
     """Raise ``ValueError`` unless this loader can map every weight of the file's architecture."""
-    _rules(path)
+    if architecture(path) not in gguf_moe.ARCHITECTURES:  # those map their own (loader/gguf_moe.py)
+        _rules(path)
 
 
 def converted_metadata_folder(path: str) -> str:
@@ -184,6 +187,10 @@ def load_config(path: str) -> transformers.PretrainedConfig:
     cached = os.path.join(converted_metadata_folder(path), "config")
     if os.path.isfile(os.path.join(cached, "config.json")):
         return transformers.AutoConfig.from_pretrained(cached, local_files_only=True)
+    if architecture(path) in gguf_moe.ARCHITECTURES:  # our own mapping of the metadata
+        config = gguf_moe.build_config(open_reader(path), architecture(path))
+        _save_converted(config, cached)
+        return config
     folder, filename = os.path.split(os.path.abspath(path))
     config = transformers.AutoConfig.from_pretrained(folder, gguf_file=filename, local_files_only=True)
     key_length = _field(open_reader(path), f"{architecture(path)}.attention.key_length")
@@ -277,6 +284,9 @@ def iter_weights(path: str, config: transformers.PretrainedConfig) -> Iterator[t
     Tensors are float32, or float16/bfloat16 when stored so; the model casts them to its dtype. A tied
     ``lm_head.weight`` is absent, as in the file.
     """
+    if architecture(path) in gguf_moe.ARCHITECTURES:
+        yield from gguf_moe.iter_weights(open_reader(path), architecture(path), _to_torch)
+        return
     rules = _rules(path)
     for tensor in open_reader(path).tensors:
         name = hf_name(tensor.name, rules)
@@ -287,4 +297,6 @@ def iter_weights(path: str, config: transformers.PretrainedConfig) -> Iterator[t
 
 def num_weight_tensors(path: str) -> int:
     """How many tensors ``iter_weights`` yields."""
+    if architecture(path) in gguf_moe.ARCHITECTURES:
+        return gguf_moe.num_weight_tensors(open_reader(path), architecture(path))
     return sum(1 for t in open_reader(path).tensors if t.name not in _SKIPPED)

@@ -297,6 +297,9 @@ def test_deepseek2_gguf_greedy_equals_the_safetensors_load(
     path = tmp_path / "tiny-deepseek.gguf"
     _write_deepseek(hf, path)
     _tokenizer_from(monkeypatch, folder)
+    # Through the converted-folder cache this time (the gpt-oss test reads the GGUF itself).
+    monkeypatch.setenv("TOKENMILL_CONVERT_GGUF", "1")
+    assert resolve_model(str(path)).format == "hf"  # converted on first resolve
     _check_greedy(TinyModel(arch="deepseek_v3", path=folder, hf=hf), path)
 
 

@@ -126,3 +126,19 @@ def test_long_decode_returns_window_blocks(model: TinyModel) -> None:
     kv.check_integrity()
     assert kv.all_free_or_cached()
     assert kv.pool.num_free == kv.num_blocks and kv.window.pool.num_free == kv.window.num_blocks
+
+
+def test_speculative_decoding_composes(model: TinyModel) -> None:
+    """n-gram speculative decoding over both groups: tokens stay greedy and every block comes back
+    (trimming rejected drafts' slots in both groups is tested in tests/unit/test_window_group_kv.py)."""
+    llm = make_llm(
+        model, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    )
+    kv = kv_of(llm)
+    batch = [[9, 10, 11, 12] * 6, prompts((17,), seed=9)[0]]
+    outputs = llm.generate(as_inputs(batch), greedy(20), use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == model.greedy(prompt, 20)
+    assert llm.engine.kv_stats()["spec_num_draft_tokens"] > 0
+    kv.check_integrity()
+    assert kv.all_free_or_cached()

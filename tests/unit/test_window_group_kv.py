@@ -210,3 +210,15 @@ def test_window_tables_cross_the_wire() -> None:
     assert runner.num_released_seen > 2
     for request_id, prompt in prompts.items():
         assert h.outputs[request_id] == reference(prompt, 30), request_id
+
+
+def test_trim_gives_back_draft_slots_in_both_groups() -> None:
+    kv = WindowGroupKVManager(16, BLOCK, False, WINDOW, 8)
+    request = make_request("a", list(range(1, 8)), 4)
+    kv.match_prefix(request)
+    assert kv.allocate_slots(request, 7 + 3)  # 7 tokens and 3 drafts: 3 blocks in each group
+    assert len(kv.block_table("a")) == 3 and len(kv.window.block_table("a")) == 3
+    assert kv.trim_slots(request, 7) == 2  # drafts rejected: the third block goes, in both groups
+    assert len(kv.block_table("a")) == 2 and len(kv.window.block_table("a")) == 2
+    assert kv.pool.num_free == 14 and kv.window.pool.num_free == 6
+    kv.check_integrity()

@@ -142,3 +142,18 @@ def test_speculative_decoding_composes(model: TinyModel) -> None:
     assert llm.engine.kv_stats()["spec_num_draft_tokens"] > 0
     kv.check_integrity()
     assert kv.all_free_or_cached()
+
+
+def test_window_tables_reach_a_worker_process(model: TinyModel) -> None:
+    """The ``mp`` executor: the window group's table travels with each step (executor/plan_delta.py)."""
+    llm = make_llm(model, executor_backend="mp", num_threads=1, enable_prefix_caching=False)
+    try:
+        kv = kv_of(llm)
+        batch = prompts((30, 7), seed=12)
+        outputs = llm.generate(as_inputs(batch), greedy(16), use_tqdm=False)
+        for prompt, output in zip(batch, outputs):
+            assert output.outputs[0].token_ids == model.greedy(prompt, 16)
+        assert kv.window.num_blocks == 21
+        assert kv.all_free_or_cached()
+    finally:
+        llm.engine.executor.shutdown()

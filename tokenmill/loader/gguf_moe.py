@@ -2,7 +2,7 @@
 
 ``gguf_loader.py`` hands these architectures here. Both configs are built from the file's metadata
 by our own mapping (transformers has no GGUF config reader for ``deepseek2``, and its ``gpt-oss`` one
-leaves the rotary scaling and layer pattern to chance), and the tensors come back under the Hugging
+fails on the ``rope.scaling.*`` keys with transformers 5.x), and the tensors come back under the Hugging
 Face names and layouts the native models load (``models/gpt_oss.py``, ``models/deepseek_v3.py``).
 
 What llama.cpp's converter did to the tensors, undone here:

@@ -17,6 +17,7 @@ import torch
 from tests.conftest import TinyModel, TinySpec, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv.hybrid import HybridKVCacheManager
+from tokenmill.layers import recurrent_kernel
 
 SPEC = TinySpec(
     "qwen3_next",
@@ -92,6 +93,32 @@ def test_concurrent_prompts_and_chunked_prefill_match_transformers(model: TinyMo
     kv = manager(llm)
     assert kv.states.num_free == kv.states.num_slots  # every slot back, no snapshot without a cache
     assert llm.engine.executor.runner.model.num_layers == 1  # the KV pool serves the full-attention layer
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def kernel_calls(monkeypatch: pytest.MonkeyPatch, kernels: str) -> list[str]:
+    """Sets ``TOKENMILL_RECURRENT_KERNELS`` to ``kernels`` and records each recurrent kernel call."""
+    monkeypatch.setenv("TOKENMILL_RECURRENT_KERNELS", kernels)
+    calls: list[str] = []
+    original = recurrent_kernel._ops
+
+    def counting(library: str):  # type: ignore[no-untyped-def]
+        calls.append(library)
+        return original(library)
+
+    monkeypatch.setattr(recurrent_kernel, "_ops", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_the_cpu_kernels_and_the_torch_reference_both_match(
+    model: TinyModel, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = kernel_calls(monkeypatch, kernels)
+    batch = prompts([37, 13], salt=1)
+    llm = make_llm(model, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert run(llm, batch) == [model.greedy(p, NUM_NEW) for p in batch]
+    assert bool(calls) == (kernels == "1")  # the kernels ran exactly when switched on
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

@@ -148,6 +148,16 @@ def test_preemption_drops_state_and_recomputes(model: TinyModel) -> None:
     assert llm.engine.scheduler.num_preemptions_total > 0
 
 
+def test_preemption_keeps_state_when_it_fits(model: TinyModel) -> None:
+    batch = prompts([30, 26, 33, 28], salt=3)
+    expected = [model.greedy(p, NUM_NEW) for p in batch]
+    # Chunks of 16 tokens: a prompt is preempted at a block boundary between its chunks.
+    llm = make_llm(model, num_blocks=24, enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert run(llm, batch) == expected
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert manager(llm).num_preempted_states_kept > 0  # resumed from its own state, kept as a snapshot
+
+
 def test_prefix_hit_restores_a_snapshot(model: TinyModel) -> None:
     base = prompts([41], salt=5)[0]
     llm = make_llm(model, state_checkpoint_interval=8)

@@ -60,6 +60,16 @@ def fused_cpu_ops_enabled() -> bool:
     return value == "1"
 
 
+def recurrent_kernels_enabled() -> bool:
+    """``TOKENMILL_RECURRENT_KERNELS``: ``1`` (the default) runs the hybrid models' convolution, gated
+    delta rule and Mamba-2 scan on the C++ CPU kernels (``layers/recurrent_kernel.py``) for float32 and
+    bfloat16 activations; ``0`` keeps the torch reference (for comparisons and debugging)."""
+    value = os.environ.get("TOKENMILL_RECURRENT_KERNELS") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_RECURRENT_KERNELS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # The CPU kernels' instruction-set paths, best first (``layers/cpu_isa.py`` maps each to compile flags).
 CPU_ISAS = ("amx", "avx512_bf16", "avx512", "avx2")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TinyModel, TinySpec, save_tiny_model
-from tests.models.test_qwen3_next import manager, prompts, run
+from tests.models.test_qwen3_next import kernel_calls, manager, prompts, run
 from tokenmill import LLM
 
 SPEC = TinySpec(
@@ -60,6 +60,17 @@ def test_greedy_matches_transformers_with_chunked_prefill(model: TinyModel) -> N
     llm = make_llm(model, enable_prefix_caching=False)
     assert run(llm, batch) == [model.greedy(p, NUM_NEW) for p in batch]
     assert llm.engine.executor.runner.model.num_layers == 1
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_the_cpu_kernels_and_the_torch_reference_both_match(
+    model: TinyModel, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = kernel_calls(monkeypatch, kernels)
+    batch = prompts([29, 11], salt=2)
+    llm = make_llm(model, enable_prefix_caching=False)
+    assert run(llm, batch) == [model.greedy(p, NUM_NEW) for p in batch]
+    assert bool(calls) == (kernels == "1")  # the kernels ran exactly when switched on
 
 
 def test_preemption_recomputes(model: TinyModel) -> None:

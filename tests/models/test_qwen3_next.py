@@ -17,6 +17,7 @@ import torch
 from tests.conftest import TinyModel, TinySpec, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv.hybrid import HybridKVCacheManager
+from tokenmill.layers import recurrent_kernel
 
 SPEC = TinySpec(
     "qwen3_next",
@@ -95,6 +96,32 @@ def test_concurrent_prompts_and_chunked_prefill_match_transformers(model: TinyMo
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
+def kernel_calls(monkeypatch: pytest.MonkeyPatch, kernels: str) -> list[str]:
+    """Sets ``TOKENMILL_RECURRENT_KERNELS`` to ``kernels`` and records each recurrent kernel call."""
+    monkeypatch.setenv("TOKENMILL_RECURRENT_KERNELS", kernels)
+    calls: list[str] = []
+    original = recurrent_kernel._ops
+
+    def counting(library: str):  # type: ignore[no-untyped-def]
+        calls.append(library)
+        return original(library)
+
+    monkeypatch.setattr(recurrent_kernel, "_ops", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_the_cpu_kernels_and_the_torch_reference_both_match(
+    model: TinyModel, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = kernel_calls(monkeypatch, kernels)
+    batch = prompts([37, 13], salt=1)
+    llm = make_llm(model, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert run(llm, batch) == [model.greedy(p, NUM_NEW) for p in batch]
+    assert bool(calls) == (kernels == "1")  # the kernels ran exactly when switched on
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
 def test_siblings_resume_from_the_leaders_snapshot(model: TinyModel, prefix_caching: bool) -> None:
     llm = make_llm(model, enable_prefix_caching=prefix_caching)
     kv = manager(llm)
@@ -119,6 +146,16 @@ def test_preemption_drops_state_and_recomputes(model: TinyModel) -> None:
     llm = make_llm(model, num_blocks=24, enable_prefix_caching=False, max_num_batched_tokens=32)
     assert run(llm, batch) == expected
     assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_preemption_keeps_state_when_it_fits(model: TinyModel) -> None:
+    batch = prompts([30, 26, 33, 28], salt=3)
+    expected = [model.greedy(p, NUM_NEW) for p in batch]
+    # Chunks of 16 tokens: a prompt is preempted at a block boundary between its chunks.
+    llm = make_llm(model, num_blocks=24, enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert run(llm, batch) == expected
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert manager(llm).num_preempted_states_kept > 0  # resumed from its own state, kept as a snapshot
 
 
 def test_prefix_hit_restores_a_snapshot(model: TinyModel) -> None:

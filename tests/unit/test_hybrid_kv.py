@@ -135,3 +135,45 @@ def test_evicting_a_node_frees_its_snapshot() -> None:
     kv.free("b")
     kv.check_integrity()
     assert kv.states.num_used == 0
+
+
+def test_a_preempted_requests_state_is_kept_when_a_slot_can_be_spared() -> None:
+    kv = make(num_slots=8, reserved=2, interval=400)  # no interval checkpoints
+    req = request("a", list(range(1, 30)))
+    kv.match_prefix(req)
+    compute(kv, req, 3 * BS)  # preempted at a block boundary between prompt chunks
+    own = kv._state["a"].slot
+    kv.free_preempted(req)
+    assert kv.num_preempted_states_kept == 1
+    node = kv._node_at(req, 3 * BS)
+    assert kv._snapshots[node] == own  # its own slot became the boundary's snapshot
+    req.num_computed_tokens = 0
+    assert kv.match_prefix(req) == 3 * BS  # the recomputation resumes there
+    assert kv.allocate_slots(req, req.num_tokens - 3 * BS)
+    req.num_computed_tokens = 3 * BS
+    assert plan(kv, req, req.num_tokens - 3 * BS).state_source == own
+    kv.free("a")
+    kv.check_integrity()
+    assert kv.all_free_or_cached()
+
+
+def test_a_preempted_requests_state_is_dropped_off_a_boundary_or_without_room() -> None:
+    kv = make(num_slots=3, reserved=3, interval=400)
+    off = request("a", list(range(1, 30)))
+    kv.match_prefix(off)
+    compute(kv, off, 3 * BS + 1)  # not at a block boundary: the state cannot be resumed from
+    kv.free_preempted(off)
+    tight = request("b", list(range(40, 70)))
+    others = [request(f"r{i}", [80 + i] * 9) for i in range(2)]
+    for other in others:  # two other running requests: the third slot is reserved for a third
+        kv.match_prefix(other)
+        assert kv.allocate_slots(other, 9)
+    kv.match_prefix(tight)
+    compute(kv, tight, 2 * BS)
+    kv.free_preempted(tight)
+    assert kv.num_preempted_states_kept == 0
+    assert kv.stats()["state_snapshots"] == 0
+    for other in others:
+        kv.free(other.request_id)
+    kv.check_integrity()
+    assert kv.all_free_or_cached()

@@ -38,7 +38,7 @@ def lowest_ranked_running(
 def preempt(request: Request, running: list[Request], kv: KVCacheManager, waiting: TieredQueue) -> None:
     """Take the running ``request`` out, release its blocks and queue it to be recomputed."""
     running.remove(request)
-    kv.free(request.request_id)
+    kv.free_preempted(request)
     request.num_computed_tokens = 0
     request.num_preemptions += 1
     request.status = RequestStatus.PREEMPTED

@@ -25,9 +25,8 @@ from torch import nn
 from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
-from tokenmill.layers.gated_delta import causal_conv, causal_conv_step
 from tokenmill.layers.linear import ColumnParallelLinear, MergedColumnLinear, RowParallelLinear
-from tokenmill.layers.mamba2 import chunked_scan, scan_step
+from tokenmill.layers.recurrent_kernel import causal_conv, causal_conv_step, chunked_scan, scan_step
 from tokenmill.layers.recurrent_state import RecurrentSequence
 from tokenmill.models.base import CausalLM
 from tokenmill.models.weights import load_hf_weights

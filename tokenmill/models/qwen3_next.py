@@ -36,15 +36,15 @@ from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_moe import SparseMoeBlock, load_expert_tensors, softmax_then_topk
-from tokenmill.layers.gated_delta import (
+from tokenmill.layers.gated_delta import l2_normalize
+from tokenmill.layers.linear import ColumnParallelLinear, MergedColumnLinear, RowParallelLinear
+from tokenmill.layers.norm import GemmaRMSNorm
+from tokenmill.layers.recurrent_kernel import (
     causal_conv,
     causal_conv_step,
     chunked_gated_delta,
     gated_delta_step,
-    l2_normalize,
 )
-from tokenmill.layers.linear import ColumnParallelLinear, MergedColumnLinear, RowParallelLinear
-from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.recurrent_state import RecurrentBatch, RecurrentSequence
 from tokenmill.layers.rotary import get_rope
 from tokenmill.models.base import CausalLM

@@ -72,6 +72,7 @@ class HybridKVCacheManager(KVCacheManager):
         self._state: dict[str, StateAllocation] = {}
         self._snapshots: dict[Any, int] = {}  # radix node -> slot (the tree's reference)
         self._swept_version = -1
+        self.num_preempted_states_kept = 0  # preempted requests whose state became a snapshot
 
     # ------------------------------------------------------------------ snapshots in the tree
 
@@ -273,6 +274,41 @@ class HybridKVCacheManager(KVCacheManager):
                     self._drop_snapshot(previous)  # only the latest output boundary is worth keeping
                 state.last_output_snapshot = node
         self._sweep()
+
+    def free_preempted(self, request: Request) -> None:
+        """Release a preempted request, keeping its state when it can be resumed from: when its
+        computed tokens end at a block boundary whose node is in the tree without a snapshot and the
+        pool has a slot to spare (as for any snapshot), its own slot becomes that node's snapshot, so
+        the recomputation restores it instead of starting over (``num_preempted_states_kept``).
+        Otherwise it is recomputed from the deepest snapshot its prefix has, or from the start."""
+        if self._keep_preempted_state(request):
+            self.num_preempted_states_kept += 1
+        self.free(request.request_id)
+
+    def _keep_preempted_state(self, request: Request) -> bool:
+        state = self._state.get(request.request_id)
+        allocation = self._allocations.get(request.request_id)
+        boundary = request.num_computed_tokens
+        if state is None or allocation is None or state.slot < 0 or state.source >= 0:
+            return False  # no slot, or its first step (which restores the source) has not run
+        if self.radix is None or request.wants_prompt_logprobs or allocation.detached:
+            return False
+        if (
+            boundary == 0
+            or boundary % self.block_size
+            or boundary > allocation.num_cached_blocks * self.block_size
+        ):
+            return False
+        held = sum(1 for s in self._state.values() if s.slot >= 0) - 1  # the others' slots
+        if self.states.num_free < max(0, self.reserved_slots - held):
+            return False  # the slot is wanted by running requests
+        self._sweep()
+        node = self._node_at(request, boundary)
+        if node is None or node in self._snapshots:
+            return False
+        self._snapshots[node] = state.slot  # the request's reference becomes the tree's
+        state.slot = -1
+        return True
 
     def free(self, request_id: str) -> None:
         state = self._state.pop(request_id, None)

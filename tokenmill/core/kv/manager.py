@@ -387,6 +387,11 @@ class KVCacheManager:
         allocation.num_released = num_releasable
         return num_releasable - start
 
+    def free_preempted(self, request: Request) -> None:
+        """Release a preempted request's blocks (as ``free``); managers with per-request state may keep
+        what can be reused when it is recomputed."""
+        self.free(request.request_id)
+
     def free(self, request_id: str) -> None:
         """Drop the request's references and lock; its cached blocks stay in the tree."""
         allocation = self._allocations.pop(request_id, None)

@@ -50,7 +50,8 @@ def replica_config(config: EngineConfig) -> EngineConfig:
             cache, kv_cache_memory=memory, kv_cache_memory_fraction=cache.kv_cache_memory_fraction / size
         ),
         num_threads=threads,
-        data_parallel=DataParallelConfig(),
+        # A replica reports its cache's changes to the frontend's prefix index (cache_aware).
+        data_parallel=DataParallelConfig(publish_kv_events=config.data_parallel.dp_policy == "cache_aware"),
     )
 
 

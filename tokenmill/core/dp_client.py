@@ -102,13 +102,21 @@ class DPLaunch:
         """Start ``data_parallel_size`` engine processes for ``config`` (or take ``spawned``, started
         by ``spawn_engines``)."""
         size = config.data_parallel.data_parallel_size
-        if spawned is not None and len(spawned) != size:
+        if spawned and len(spawned) != size:
             raise ValueError(f"{len(spawned)} engine processes were started for data_parallel_size {size}")
         replica = replica_config(config)
+        if config.data_parallel.data_parallel_backend == "ray":
+            if spawned:
+                raise ValueError(
+                    "data_parallel_backend='ray' places its replicas itself; spawned must be empty"
+                )
+            from tokenmill.core.dp_ray import begin_ray_replicas
+
+            return cls(config, begin_ray_replicas(replica, size, log_level))
         launches: list[EngineLaunch] = []
         try:
             for rank in range(size):
-                handle = spawned[rank] if spawned is not None else None
+                handle = spawned[rank] if spawned else None
                 launches.append(EngineLaunch.begin(replica, log_level=log_level, spawned=handle))
         except BaseException:
             for launch in launches:

@@ -58,6 +58,8 @@ def replica_config(config: EngineConfig) -> EngineConfig:
 def spawn_engines(config: EngineConfig, log_level: str = "INFO") -> list[EngineProcessHandle]:
     """Start every engine process ``config`` asks for (``data_parallel_size`` of them), each in its
     own ``make_socket_dir()`` folder; ``AsyncLLM.start(spawned=...)`` attaches to them."""
+    if config.data_parallel.data_parallel_backend == "ray" and config.data_parallel.data_parallel_size > 1:
+        return []  # Ray actors, placed when the server starts (core/dp_ray.py)
     replica = replica_config(config)
     handles: list[EngineProcessHandle] = []
     try:

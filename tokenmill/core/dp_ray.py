@@ -171,7 +171,9 @@ def begin_ray_replicas(config: EngineConfig, size: int, log_level: str) -> list[
     if not ray.is_initialized():
         ray.init()
     on_gpu = config.model.device.startswith("cuda")
-    bundle: dict[str, float] = {"GPU": 1.0} if on_gpu else {"CPU": float(config.num_threads or 1)}
+    # A tensor-parallel replica's ranks run inside its actor's bundle (one GPU per rank on CUDA).
+    gpus = float(config.tensor_parallel_size)
+    bundle: dict[str, float] = {"GPU": gpus} if on_gpu else {"CPU": float(config.num_threads or 1)}
     actor_class = ray.remote(RayEngineReplica)
     config_json = msgspec.json.encode(config)
     launches: list[EngineLaunch] = []
@@ -187,7 +189,7 @@ def begin_ray_replicas(config: EngineConfig, size: int, log_level: str) -> list[
                 )
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
             options: dict[str, Any] = {"scheduling_strategy": strategy, "max_restarts": 0}
-            options |= {"num_gpus": 1} if on_gpu else {"num_cpus": bundle["CPU"]}
+            options |= {"num_gpus": gpus} if on_gpu else {"num_cpus": bundle["CPU"]}
             actor = actor_class.options(**options).remote(log_level)
             try:
                 input_address = ray.get(actor.bind.remote(), timeout=PLACEMENT_TIMEOUT_S)

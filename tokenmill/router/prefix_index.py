@@ -7,11 +7,13 @@ whole prefix, the namespace included. Each replica keeps the hashes of the prefi
 LRU bounded by its cache's size in chunks; ``match`` counts how many leading chunks of a prompt a
 replica holds.
 
-It is approximate on purpose: it learns from dispatches, not from the replicas' own cache events,
+``ReplicaPrefixes`` (the HTTP router's) is approximate on purpose: it learns from dispatches,
 so it can believe a prefix is cached that the replica has evicted (or never cached, for a request
 that was aborted early). That costs one recomputation on the replica the prefix sticks to, which
 then caches it again; a policy reads it to keep same-prefix requests together, not as a promise.
 Stale knowledge is dropped when a replica's cache is reset or its weights change (``clear``).
+``EventFedPrefixes`` (a data-parallel server's) learns from the engines' own cache events instead
+(``core/kv/kv_events.py``), so it follows evictions.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ The KV cache of each replica is sized (``--num-blocks``) to hold about half the 
 a cache under pressure is: ``cache_aware`` keeps each prompt on one replica, so each cache holds
 its half; ``round_robin`` sends every prompt to both, and each cache thrashes over all of them.
 
-    flock /tmp/tokenmill-bench.lock .venv/bin/python benchmarks/dp_router.py
+    flock /tmp/tokenmill-bench.lock .venv/bin/python benchmarks/dp_router.py [--backend ray]
+
+``--backend ray`` runs the replicas as Ray actors (``--data-parallel-backend ray``) on a local Ray
+cluster each server starts. Either way the frontend's prefix index is fed by the replicas' own KV
+cache events (``core/kv/kv_events.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
+        "--backend",
+        choices=("mp", "ray"),
+        default="mp",
+        help="what runs the replicas (--data-parallel-backend): engine processes, or Ray actors on a "
+        "local Ray cluster the server starts",
+    )
+    parser.add_argument(
         "--num-blocks",
         type=int,
         default=None,
@@ -69,14 +80,15 @@ def main() -> None:
     print(
         f"data parallel 2, shared prefix: {args.groups} system prompts x {args.per_group} users, "
         f"{args.prefix_len} + {args.question_len} tokens in, {args.output_len} out, {args.concurrency} "
-        f"concurrent, {num_blocks} KV blocks per replica; {cpu_name()}; tokenmill {git_describe()}",
+        f"concurrent, {num_blocks} KV blocks per replica, {args.backend} replicas; {cpu_name()}; "
+        f"tokenmill {git_describe()}",
         flush=True,
     )
     rows: dict[str, dict[str, float]] = {}
     for policy in ("cache_aware", "round_robin"):
         server_args = [
             "--data-parallel-size", "2", "--dp-policy", policy, "--max-model-len", "2048",
-            "--num-blocks", str(num_blocks),
+            "--num-blocks", str(num_blocks), "--data-parallel-backend", args.backend,
         ]  # fmt: skip
         with tokenmill("smollm2-135m", server_args) as url:
             row = summary(run_bench(url, policy, bench_args))

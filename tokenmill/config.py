@@ -36,6 +36,8 @@ DEFAULT_TIER = "default"
 EXECUTOR_BACKENDS = ("inprocess", "mp")
 # What runs a tensor-parallel group's workers: child processes, or Ray actors (executor/ray_executor.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# What runs a data-parallel server's replicas: engine processes, or Ray actors (core/dp_ray.py).
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 # What the logprobs of sampled tokens describe (vLLM's names): the model's distribution
 # (log-softmax of the unprocessed logits), or the one the token was drawn from (after logit bias,
 # penalties, grammar, temperature, min-p, top-k and top-p; greedy rows: before temperature).
@@ -428,8 +430,18 @@ class DataParallelConfig:
     dp_policy: str = "cache_aware"
     dp_balance_abs: int = 8
     dp_balance_rel: float = 1.5
+    # What runs the replicas: engine processes of this machine, or Ray actors (core/dp_ray.py).
+    data_parallel_backend: str = "mp"
+    # Set on a replica's own config: report the prefix cache's changes in the step outputs
+    # (core/kv/kv_events.py), which feed the frontend's per-replica prefix index.
+    publish_kv_events: bool = False
 
     def validate(self) -> None:
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(
+                f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, "
+                f"got {self.data_parallel_backend!r}"
+            )
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.dp_policy not in DP_POLICIES:

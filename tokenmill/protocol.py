@@ -85,6 +85,15 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     weight_version: str | None = None
 
 
+class KVEvent(msgspec.Struct, array_like=True):
+    """One change to an engine's prefix cache (``core/kv/kv_events.py``): ``kind`` is ``stored``
+    (the blocks named by ``block_hashes`` are now cached), ``removed`` (they no longer are) or
+    ``cleared`` (nothing is cached any more; ``block_hashes`` empty)."""
+
+    kind: str
+    block_hashes: list[int]
+
+
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     """A batch of outputs from one engine step, plus gauges the frontend exports as metrics."""
 
@@ -106,6 +115,9 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # Changes to the prefix cache since the last outputs, oldest first (for a data-parallel
+    # frontend's prefix index; empty unless the engine collects them).
+    kv_events: list[KVEvent] = []
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -66,7 +66,10 @@ class SteppingClient(InProcClient):
 @pytest.fixture(scope="module")
 def cores(tiny_model) -> Iterator[list[EngineCore]]:  # type: ignore[no-untyped-def]
     path = tiny_model("llama").path
-    config = build_engine_config(path, dtype="float32", block_size=BLOCK, num_blocks=64)
+    # As a replica's config is (core/dp_spawn.py): its cache events feed the client's index.
+    config = build_engine_config(
+        path, dtype="float32", block_size=BLOCK, num_blocks=64, publish_kv_events=True
+    )
     built = [EngineCore(config, resolve_model(path)) for _ in range(3)]
     yield built
     for core in built:
@@ -203,9 +206,10 @@ def test_utility_calls_fan_out(cores: list[EngineCore]) -> None:
 
 
 def client_key(client: DPClient, prompt: list[int]):  # type: ignore[no-untyped-def]
+    from tokenmill.core.kv.kv_events import block_hashes
     from tokenmill.router.policy import PromptKey
 
-    return PromptKey.of((None, None), prompt, client.block_size)
+    return PromptKey(block_hashes((None, None), prompt, client.block_size))
 
 
 def test_one_engine_dying_is_the_clients_death(cores: list[EngineCore]) -> None:

@@ -29,8 +29,12 @@ def test_serve_options_reach_the_config() -> None:
         "3",
         "--dp-balance-rel",
         "2",
+        "--data-parallel-backend",
+        "ray",
     )
     dp = config.data_parallel
+    assert dp.data_parallel_backend == "ray"
+    assert serve_config().data_parallel.data_parallel_backend == "mp"
     assert (dp.data_parallel_size, dp.dp_policy, dp.dp_balance_abs, dp.dp_balance_rel) == (
         2,
         "least_load",
@@ -47,6 +51,7 @@ def test_serve_options_reach_the_config() -> None:
         ({"dp_policy": "random"}, "dp_policy must be one of cache_aware, round_robin, least_load"),
         ({"dp_balance_abs": -1}, "dp_balance_abs must be >= 0"),
         ({"dp_balance_rel": 0.9}, "dp_balance_rel must be >= 1.0"),
+        ({"data_parallel_backend": "k8s"}, "data_parallel_backend must be one of mp, ray, got 'k8s'"),
     ],
 )
 def test_bad_values_are_refused(kwargs: dict[str, object], message: str) -> None:
@@ -61,6 +66,11 @@ def test_each_replica_gets_its_share_of_cores_and_memory() -> None:
     assert replica.cache.kv_cache_memory == 0.25
     assert replica.cache.kv_cache_memory_fraction == config.cache.kv_cache_memory_fraction / 2
     assert replica.data_parallel.data_parallel_size == 1
+    # cache_aware (the default) reads the replicas' cache events; other policies need none.
+    assert replica.data_parallel.publish_kv_events
+    assert not replica_config(
+        build_engine_config("m", data_parallel_size=2, dp_policy="round_robin")
+    ).data_parallel.publish_kv_events
     replica.validate()
     # Bytes, blocks and explicit threads are per replica.
     explicit = build_engine_config(
@@ -75,3 +85,10 @@ def test_each_replica_gets_its_share_of_cores_and_memory() -> None:
 def test_llm_refuses_data_parallelism() -> None:
     with pytest.raises(ValueError, match="data_parallel_size > 1 needs `tokenmill serve`"):
         LLM("smollm2-135m", data_parallel_size=2)
+
+
+def test_ray_replicas_are_not_spawned_as_processes() -> None:
+    from tokenmill.core.dp_spawn import spawn_engines
+
+    config = build_engine_config("m", data_parallel_size=2, data_parallel_backend="ray")
+    assert spawn_engines(config) == []  # placed as Ray actors when the server starts (core/dp_ray.py)

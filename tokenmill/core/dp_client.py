@@ -38,6 +38,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.client import EngineCoreClient, EngineDeadError, UtilityCallError
 from tokenmill.core.dp_spawn import replica_config
 from tokenmill.core.engine_proc import EngineProcessHandle
+from tokenmill.core.kv.kv_events import block_hashes
 from tokenmill.core.zmq_client import EngineLaunch
 from tokenmill.protocol import (
     AddResult,
@@ -47,6 +48,7 @@ from tokenmill.protocol import (
     UtilityValue,
 )
 from tokenmill.router.policy import DispatchPolicy, PromptKey
+from tokenmill.router.prefix_index import EventFedPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +102,21 @@ class DPLaunch:
         """Start ``data_parallel_size`` engine processes for ``config`` (or take ``spawned``, started
         by ``spawn_engines``)."""
         size = config.data_parallel.data_parallel_size
-        if spawned is not None and len(spawned) != size:
+        if spawned and len(spawned) != size:
             raise ValueError(f"{len(spawned)} engine processes were started for data_parallel_size {size}")
         replica = replica_config(config)
+        if config.data_parallel.data_parallel_backend == "ray":
+            if spawned:
+                raise ValueError(
+                    "data_parallel_backend='ray' places its replicas itself; spawned must be empty"
+                )
+            from tokenmill.core.dp_ray import begin_ray_replicas
+
+            return cls(config, begin_ray_replicas(replica, size, log_level))
         launches: list[EngineLaunch] = []
         try:
             for rank in range(size):
-                handle = spawned[rank] if spawned is not None else None
+                handle = spawned[rank] if spawned else None
                 launches.append(EngineLaunch.begin(replica, log_level=log_level, spawned=handle))
         except BaseException:
             for launch in launches:
@@ -158,8 +168,10 @@ class DPClient:
         self.policy = policy
         self.names = [str(rank) for rank in range(len(clients))]
         self.block_size = infos[0].block_size
-        for name, info in zip(self.names, infos, strict=True):
-            policy.add_replica(name, capacity_chunks=max(1, info.num_blocks))
+        # Each replica's index is fed by its own cache events (core/kv/kv_events.py).
+        self.indexes = [EventFedPrefixes(max(1, info.num_blocks)) for info in infos]
+        for name, info, index in zip(self.names, infos, self.indexes, strict=True):
+            policy.add_replica(name, capacity_chunks=max(1, info.num_blocks), index=index)
         self.info = EngineReady(
             max_model_len=infos[0].max_model_len,
             num_blocks=sum(i.num_blocks for i in infos),
@@ -172,6 +184,9 @@ class DPClient:
         self._owner: dict[str, int] = {}
         # Core request id -> prompt tokens the index expected cached, until its first output.
         self._predicted: dict[str, int] = {}
+        # A group's first core request id -> its replica and prompt hashes, pending in that
+        # replica's index until the request's first output or its end.
+        self._pending: dict[str, tuple[int, list[int]]] = {}
         self._latest = [EngineCoreOutputs(outputs=[]) for _ in clients]
         self._dispatched = [0] * len(clients)
         self._predicted_hits = [0] * len(clients)
@@ -213,7 +228,7 @@ class DPClient:
             raise EngineDeadError(reason)
         first = requests[0]
         namespace = (first.cache_salt, first.lora_name)
-        key = PromptKey.of(namespace, first.prompt_token_ids, self.block_size)
+        key = PromptKey(block_hashes(namespace, first.prompt_token_ids, self.block_size))
         tried: list[str] = []
         while True:
             available = [name for name in self.names if name not in tried]
@@ -327,6 +342,7 @@ class DPClient:
         self.policy.on_dispatch(self.names[rank], key, len(requests))
         self._dispatched[rank] += 1
         predicted = matched * self.block_size
+        self._pending[requests[0].request_id] = (rank, key.hashes)
         for request in requests:
             self._owner[request.request_id] = rank
             self._predicted[request.request_id] = predicted
@@ -337,14 +353,24 @@ class DPClient:
             if self._owner.pop(request_id, None) is not None:
                 ended += 1
             self._predicted.pop(request_id, None)
+            self._settle(request_id)
         self.policy.on_finish(self.names[rank], ended)
+
+    def _settle(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self.indexes[pending[0]].settle(pending[1])
 
     def _on_outputs(self, rank: int, batch: EngineCoreOutputs) -> EngineCoreOutputs:
         """Account for one replica's step (ends, cache hits) and return it with the gauges summed
         over every replica's latest."""
         self._latest[rank] = batch
+        index = self.indexes[rank]
+        for event in batch.kv_events:
+            index.apply(event.kind, event.block_hashes)
         ended: list[str] = []
         for output in batch.outputs:
+            self._settle(output.request_id)
             predicted = self._predicted.pop(output.request_id, None)
             if predicted is not None:
                 self._predicted_hits[rank] += predicted

@@ -50,13 +50,16 @@ def replica_config(config: EngineConfig) -> EngineConfig:
             cache, kv_cache_memory=memory, kv_cache_memory_fraction=cache.kv_cache_memory_fraction / size
         ),
         num_threads=threads,
-        data_parallel=DataParallelConfig(),
+        # A replica reports its cache's changes to the frontend's prefix index (cache_aware).
+        data_parallel=DataParallelConfig(publish_kv_events=config.data_parallel.dp_policy == "cache_aware"),
     )
 
 
 def spawn_engines(config: EngineConfig, log_level: str = "INFO") -> list[EngineProcessHandle]:
     """Start every engine process ``config`` asks for (``data_parallel_size`` of them), each in its
     own ``make_socket_dir()`` folder; ``AsyncLLM.start(spawned=...)`` attaches to them."""
+    if config.data_parallel.data_parallel_backend == "ray" and config.data_parallel.data_parallel_size > 1:
+        return []  # Ray actors, placed when the server starts (core/dp_ray.py)
     replica = replica_config(config)
     handles: list[EngineProcessHandle] = []
     try:

@@ -16,6 +16,7 @@ import msgspec
 from tokenmill.config import EngineConfig
 from tokenmill.core.first_token_pass import split_first_tokens
 from tokenmill.core.kv.hybrid import make_kv_manager
+from tokenmill.core.kv.kv_events import attach_kv_events
 from tokenmill.core.lora_engine import EngineLoRA
 from tokenmill.core.pause import PauseControl
 from tokenmill.core.request import Request, RequestStatus
@@ -31,6 +32,7 @@ from tokenmill.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    KVEvent,
     UtilityValue,
 )
 from tokenmill.sampling_params import SamplingParams
@@ -141,6 +143,8 @@ class EngineCore:
             "load_lora": lambda args: self._lora_utility("load_lora", args),
             "unload_lora": lambda args: self._lora_utility("unload_lora", args),
         }
+        # The prefix cache's changes, for a data-parallel frontend's index (core/kv/kv_events.py).
+        self.kv_events = attach_kv_events(self) if config.data_parallel.publish_kv_events else None
         logger.info(
             "engine ready: max_model_len=%d, %d KV tokens, prefix caching %s",
             self.max_model_len,
@@ -191,7 +195,12 @@ class EngineCore:
             self._second_pass = self._paused = None
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_queried_tokens = self.kv_manager.prefix_hit_tokens = 0
+        self.drain_kv_events()  # the warm-up's own: the frontend never knew of them
         return time.perf_counter() - started
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call (empty unless ``publish_kv_events``)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         vocab_size = int(self.source.hf_config.vocab_size)
@@ -435,6 +444,7 @@ class EngineCore:
             spec_num_draft_tokens=self.scheduler.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.scheduler.spec.num_accepted_tokens,
             spec_accepted_per_position=list(self.scheduler.spec.accepted_at),
+            kv_events=self.drain_kv_events(),
         )
 
     def _make_grammar_backend(self) -> GrammarBackend:

@@ -216,7 +216,8 @@ class EngineLoop:
     def _send_gauges_if_changed(self) -> None:
         scheduler = self.core.scheduler
         gauges = (scheduler.num_running, scheduler.num_waiting, self.core.kv_manager.usage())
-        if gauges != self._last_gauges:
+        kv_events = self.core.drain_kv_events()
+        if gauges != self._last_gauges or kv_events:
             self._send_outputs(
                 EngineCoreOutputs(
                     outputs=[],
@@ -225,6 +226,7 @@ class EngineLoop:
                     kv_cache_usage=gauges[2],
                     num_running_by_tier=scheduler.running_by_tier(),
                     num_waiting_by_tier=scheduler.waiting.waiting_by_tier(),
+                    kv_events=kv_events,
                 )
             )
 

@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.config import DP_POLICIES
-from tokenmill.router.prefix_index import ReplicaPrefixes, chunk_hashes
+from tokenmill.router.prefix_index import EventFedPrefixes, ReplicaPrefixes, chunk_hashes
 
 __all__ = ["DP_POLICIES", "Decision", "DispatchPolicy", "PromptKey"]
 DEFAULT_BALANCE_ABS = 8
@@ -78,7 +78,7 @@ class DispatchPolicy:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.loads: dict[str, int] = {}
-        self.prefixes: dict[str, ReplicaPrefixes] = {}
+        self.prefixes: dict[str, ReplicaPrefixes | EventFedPrefixes] = {}
         self._turn = itertools.count()
 
     # ------------------------------------------------------------------ membership
@@ -87,13 +87,15 @@ class DispatchPolicy:
     def replicas(self) -> list[str]:
         return list(self.loads)
 
-    def add_replica(self, replica: str, capacity_chunks: int) -> None:
-        """Start dispatching to ``replica`` (with an empty index; a replica already known keeps its
-        load and index)."""
+    def add_replica(
+        self, replica: str, capacity_chunks: int, index: ReplicaPrefixes | EventFedPrefixes | None = None
+    ) -> None:
+        """Start dispatching to ``replica`` (with ``index``, by default an empty dispatch-fed
+        ``ReplicaPrefixes``; a replica already known keeps its load and index)."""
         if replica in self.loads:
             return
         self.loads[replica] = 0
-        self.prefixes[replica] = ReplicaPrefixes(capacity_chunks)
+        self.prefixes[replica] = index if index is not None else ReplicaPrefixes(capacity_chunks)
 
     def remove_replica(self, replica: str) -> None:
         """Stop dispatching to ``replica`` and forget its load and index; unknown names are ignored."""

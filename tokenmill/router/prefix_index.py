@@ -7,11 +7,13 @@ whole prefix, the namespace included. Each replica keeps the hashes of the prefi
 LRU bounded by its cache's size in chunks; ``match`` counts how many leading chunks of a prompt a
 replica holds.
 
-It is approximate on purpose: it learns from dispatches, not from the replicas' own cache events,
+``ReplicaPrefixes`` (the HTTP router's) is approximate on purpose: it learns from dispatches,
 so it can believe a prefix is cached that the replica has evicted (or never cached, for a request
 that was aborted early). That costs one recomputation on the replica the prefix sticks to, which
 then caches it again; a policy reads it to keep same-prefix requests together, not as a promise.
 Stale knowledge is dropped when a replica's cache is reset or its weights change (``clear``).
+``EventFedPrefixes`` (a data-parallel server's) learns from the engines' own cache events instead
+(``core/kv/kv_events.py``), so it follows evictions.
 """
 
 from __future__ import annotations
@@ -71,3 +73,75 @@ class ReplicaPrefixes:
 
     def clear(self) -> None:
         self._lru.clear()
+
+
+class EventFedPrefixes:
+    """One replica's cached prefixes as its own cache reports them (``core/kv/kv_events.py``), plus
+    the guesses of dispatches not yet answered.
+
+    ``apply`` takes the replica's ``stored`` / ``removed`` / ``cleared`` events, in order; a block
+    hash is held while more ``stored`` than ``removed`` events named it (two engine namespaces, an
+    adapter and its reload, may give one hash). ``insert`` (a dispatch) records the prompt's hashes
+    as *pending*: counted by ``match`` so that a burst of same-prefix requests sticks together
+    before the first of them is computed, until ``settle`` (the request's first output, by which
+    the replica has reported what it cached, or its end) drops them. ``capacity`` is the replica's
+    cache size in blocks; pending guesses beyond it are dropped oldest first.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 chunk, got {capacity}")
+        self.capacity = capacity
+        self.held: dict[int, int] = {}
+        self._pending: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.held) + sum(1 for value in self._pending if value not in self.held)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        matched = 0
+        for value in hashes:
+            if value not in self.held and value not in self._pending:
+                break
+            matched += 1
+        return matched
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """A dispatch: the replica will cache ``hashes`` (pending until ``settle``)."""
+        for value in hashes:
+            self._pending[value] = self._pending.get(value, 0) + 1
+            self._pending.move_to_end(value)
+        while len(self._pending) > self.capacity:
+            self._pending.popitem(last=False)
+
+    def settle(self, hashes: Sequence[int]) -> None:
+        """The dispatch of ``hashes`` was answered: its guesses give way to the replica's events."""
+        for value in hashes:
+            count = self._pending.get(value)
+            if count is None:
+                continue
+            if count <= 1:
+                del self._pending[value]
+            else:
+                self._pending[value] = count - 1
+
+    def apply(self, kind: str, hashes: Sequence[int]) -> None:
+        """One cache event of the replica (see the class docstring)."""
+        if kind == "cleared":
+            self.held.clear()
+        elif kind == "stored":
+            for value in hashes:
+                self.held[value] = self.held.get(value, 0) + 1
+        elif kind == "removed":
+            for value in hashes:
+                count = self.held.get(value, 0)
+                if count <= 1:
+                    self.held.pop(value, None)
+                else:
+                    self.held[value] = count - 1
+        else:
+            raise ValueError(f"unknown KV cache event {kind!r}")
+
+    def clear(self) -> None:
+        self.held.clear()
+        self._pending.clear()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from tokenmill.config import DP_POLICIES, EngineConfig, build_engine_config
+from tokenmill.config import DATA_PARALLEL_BACKENDS, DP_POLICIES, EngineConfig, build_engine_config
 from tokenmill.core.client import spawn_engines, stop_engines
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 from tokenmill.frontend.reasoning_parsers import REASONING_PARSERS
@@ -149,6 +149,13 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
         "many requests (and by --dp-balance-rel)",
     )
     dp.add_argument(
+        "--data-parallel-backend",
+        default="mp",
+        choices=DATA_PARALLEL_BACKENDS,
+        help="what runs the replicas: engine processes on this machine (mp) or Ray actors, each in its "
+        "own placement group, on the Ray cluster this server joins (ray; pip install 'tokenmill[ray]')",
+    )
+    dp.add_argument(
         "--dp-balance-rel",
         type=float,
         default=1.5,
@@ -165,6 +172,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dp_policy=args.dp_policy,
         dp_balance_abs=args.dp_balance_abs,
         dp_balance_rel=args.dp_balance_rel,
+        data_parallel_backend=args.data_parallel_backend,
         **engine_kwargs(args),
     )
 

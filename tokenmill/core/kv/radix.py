@@ -16,6 +16,7 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.core.kv.pool import BlockPool
 
@@ -146,6 +147,8 @@ class RadixCache:
         # Bumped whenever the cached token runs change (insert adopts blocks, evict, reset); splits
         # and locks leave it: what a lookup finds is the same for the same version.
         self.version = 0
+        # Told of every node stored and removed and of resets (``core/kv/kv_events.py``); None: nobody.
+        self.observer: Any = None
 
     # ------------------------------------------------------------------ queries
 
@@ -238,6 +241,8 @@ class RadixCache:
             self._evictable_blocks += len(new_blocks)  # a new node starts unlocked
             self.version += 1
             node = leaf
+            if self.observer is not None:
+                self.observer.on_stored(leaf)
         duplicates = [i for i in range(num_matched) if tree_blocks[i] != block_ids[i]]
         return InsertResult(
             block_ids=tree_blocks + new_blocks, duplicates=duplicates, node=node, num_adopted=len(new_blocks)
@@ -315,6 +320,8 @@ class RadixCache:
         self._tree_blocks.clear()
         self._evictable_blocks = 0
         self.version += 1
+        if self.observer is not None:
+            self.observer.on_cleared()
         return freed
 
     # ------------------------------------------------------------------ integrity
@@ -468,6 +475,8 @@ class RadixCache:
         self._evictable_blocks -= node.num_blocks
         node.alive = False
         self.version += 1
+        if self.observer is not None:
+            self.observer.on_removed(node)
         return self._release_blocks(node.block_ids)
 
     def _release_blocks(self, blocks: list[int]) -> int:

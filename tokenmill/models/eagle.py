@@ -8,7 +8,9 @@ EAGLE-3 (``fc.weight [H, 3H]``, ``midlayer.*`` with its ``hidden_norm``, ``norm`
 features are three target layers' inputs concatenated (low, middle, high), projected by ``fc``; the
 decoder layer attends over ``[input_norm(embed); hidden_norm(h)]`` (``2H`` wide), and its output,
 normed, gives logits over a reduced draft vocabulary (draft id ``i`` is target id ``i + d2t[i]``).
-Chained drafts feed the head's own ``H``-wide output back without ``fc``.
+Chained drafts feed the head's own ``H``-wide output back without ``fc``. An EAGLE-1 head may also
+carry ``lm_head [draft_vocab, H]`` and ``d2t`` (as ``tokenmill train-eagle`` writes it): it then
+drafts over that reduced vocabulary, a few % of a target step's LM head.
 
 Weights come from ``model.safetensors`` or, failing that, ``pytorch_model.bin`` through
 ``torch.load(weights_only=True)``. The head's embedding is the target's (a checkpoint's own copy is
@@ -114,24 +116,26 @@ class EagleHead(nn.Module):
             layer.hidden_norm = RMSNorm(hidden, args.rms_norm_eps)  # type: ignore[assignment]
             self.norm = RMSNorm(hidden, args.rms_norm_eps)
             self.midlayer = layer
-            lm_head = tensors.get("lm_head.weight")
-            draft_vocab = int(
-                getattr(config, "draft_vocab_size", 0) or (lm_head.shape[0] if lm_head is not None else 0)
-            )
+        else:  # EAGLE-1's only layer has no input norm
+            layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
+            self.layers = nn.ModuleList([layer])
+        # Its own LM head over a draft vocabulary (EAGLE-3; an EAGLE-1 head trained here), else the target's.
+        self.own_head = "lm_head.weight" in tensors
+        if self.own_head:
+            draft_vocab = int(tensors["lm_head.weight"].shape[0])
             self.lm_head = ColumnParallelLinear(hidden, draft_vocab, dtype=dtype)
             d2t = tensors.get("d2t")
             if d2t is not None and d2t.shape[0] != draft_vocab:
                 raise ValueError(
-                    f"the EAGLE-3 head's d2t has {d2t.shape[0]} entries, its draft vocabulary {draft_vocab}"
+                    f"the EAGLE head's d2t has {d2t.shape[0]} entries, its draft vocabulary {draft_vocab}"
                 )
             offsets = d2t if d2t is not None else torch.zeros(draft_vocab, dtype=torch.long)
             d2t_ids = torch.arange(draft_vocab) + offsets.long()  # [draft_vocab] target ids
             self.register_buffer("d2t_ids", d2t_ids, persistent=False)
             if int(d2t_ids.max()) >= args.vocab_size or int(d2t_ids.min()) < 0:
-                raise ValueError("the EAGLE-3 head's d2t maps draft ids outside the target's vocabulary")
-        else:  # EAGLE-1's only layer has no input norm
-            layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
-            self.layers = nn.ModuleList([layer])
+                raise ValueError("the EAGLE head's d2t maps draft ids outside the target's vocabulary")
+        elif self.eagle3:
+            raise ValueError("the EAGLE-3 head checkpoint has no lm_head.weight")
         self.layer = layer
         # The target's embedding and LM head, not registered here (no second copy).
         self._target = (target.embed_tokens, target.lm_head)
@@ -141,7 +145,7 @@ class EagleHead(nn.Module):
 
     @property
     def draft_to_target(self) -> torch.Tensor | None:
-        return cast(torch.Tensor, self.d2t_ids) if self.eagle3 else None
+        return cast(torch.Tensor, self.d2t_ids) if self.own_head else None
 
     @property
     def attention_backend(self) -> type[AttentionBackend]:
@@ -185,6 +189,8 @@ class EagleHead(nn.Module):
         """``[rows, draft_vocab]`` (EAGLE-3) or ``[rows, vocab_size]`` through the target's LM head."""
         if self.eagle3:
             return self.lm_head(self.norm(hidden))
+        if self.own_head:  # the features it was trained to predict are normed already
+            return self.lm_head(hidden)
         return self._target[1](hidden)
 
 

@@ -36,8 +36,8 @@ class EagleProposer(HiddenStateProposer):
                 f"{type(target).__name__} is not one"
             )
         head_config, tensors = read_head_checkpoint(spec.model)
-        device = target.lm_head.weight.device
-        dtype = target.embed_tokens.weight.dtype
+        device = target.norm.weight.device  # (a quantized LM head has no float weight)
+        dtype = target.norm.weight.dtype
         with torch.device(device):
             head = EagleHead(head_config, tensors, target, dtype)
         if head.layout != spec.method:

@@ -225,3 +225,30 @@ def test_heads_that_do_not_fit_are_clear_errors(target: TinyModel, heads: dict[s
         make_llm(target, spec_of("eagle", wrong))
     with pytest.raises(ValueError, match="has no config.json"):
         make_llm(target, spec_of("eagle", str(tmp_path)))
+
+
+def test_a_head_trained_here_loads_as_eagle_and_keeps_greedy_outputs(target: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``tokenmill train-eagle``'s pieces on the tiny model: the target's own answers with their
+    hidden states, a few seconds of training, the head saved with a reduced draft vocabulary; the
+    engine loads it as ``eagle`` and greedy output stays transformers'."""
+    import time
+
+    from tokenmill.loader import resolve_model
+    from tokenmill.train.eagle import TrainEagleOptions, generate_samples, save_head, train_head
+
+    out = str(tmp_path / "trained")
+    options = TrainEagleOptions(model=target.path, out=out, answer_tokens=16, draft_vocab=64, batch_size=4)
+    samples = generate_samples(options, PROMPTS * 2)
+    assert len(samples) == 2 * len(PROMPTS)
+    first = samples[0]
+    assert first.features.shape == (len(first.tokens), HIDDEN)
+    answer = first.tokens[first.answer_start :]  # the answer but its last token (never fed back)
+    assert answer and target.greedy(PROMPTS[0], 16)[: len(answer)] == answer
+    source = resolve_model(target.path)
+    head, d2t = train_head(options, source, samples, time.monotonic() + 3.0)
+    assert d2t.shape == (64,)
+    save_head(head, d2t, source.hf_config, out)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    llm = make_llm(target, spec_of("eagle", out))
+    assert [o[0] for o in generate(llm, greedy)] == [target.greedy(p, NUM_NEW) for p in PROMPTS]
+    assert llm.engine.kv_stats()["spec_num_draft_tokens"] > 0

@@ -234,12 +234,15 @@ def test_a_head_trained_here_loads_as_eagle_and_keeps_greedy_outputs(target: Tin
     import time
 
     from tokenmill.loader import resolve_model
-    from tokenmill.train.eagle import TrainEagleOptions, generate_samples, save_head, train_head
+    from tokenmill.train.eagle import TrainEagleOptions, _cached_samples, save_head, train_head
 
     out = str(tmp_path / "trained")
     options = TrainEagleOptions(model=target.path, out=out, answer_tokens=16, draft_vocab=64, batch_size=4)
-    samples = generate_samples(options, PROMPTS * 2)
+    samples = _cached_samples(options, PROMPTS * 2)
     assert len(samples) == 2 * len(PROMPTS)
+    again = _cached_samples(options, PROMPTS * 2)  # read back from out/samples.pt
+    assert [s.tokens for s in again] == [s.tokens for s in samples]
+    torch.testing.assert_close(again[0].features, samples[0].features, atol=0.1, rtol=0.02)  # bf16 kept
     first = samples[0]
     assert first.features.shape == (len(first.tokens), HIDDEN)
     answer = first.tokens[first.answer_start :]  # the answer but its last token (never fed back)

@@ -142,6 +142,33 @@ def generate_samples(options: TrainEagleOptions, prompts: list[list[int]]) -> li
     return samples
 
 
+def _cached_samples(options: TrainEagleOptions, prompts: list[list[int]]) -> list[Sample]:
+    """``generate_samples``, kept in ``out/samples.pt`` (tensors only, read back with
+    ``weights_only=True``) so a rerun with the same prompts and answer length trains at once."""
+    path = os.path.join(options.out, "samples.pt")
+    key = [options.model, options.answer_tokens, len(prompts), sum(map(len, prompts))]
+    if os.path.isfile(path):
+        stored = torch.load(path, weights_only=True)
+        if stored["key"] == key:
+            logger.info("train-eagle: the target's answers from %s", path)
+            return [
+                Sample(t, f.float(), a)
+                for t, f, a in zip(stored["tokens"], stored["features"], stored["answer_start"])
+            ]
+    samples = generate_samples(options, prompts)
+    os.makedirs(options.out, exist_ok=True)
+    torch.save(
+        {
+            "key": key,
+            "tokens": [s.tokens for s in samples],
+            "features": [s.features.to(torch.bfloat16) for s in samples],
+            "answer_start": [s.answer_start for s in samples],
+        },
+        path,
+    )
+    return samples
+
+
 # ---------------------------------------------------------------------------- the head
 
 
@@ -352,7 +379,7 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
         )
     train_prompts, heldout = first_turn_prompts(source.load_tokenizer(), options)
     logger.info("train-eagle: the target answers %d prompts (self-distillation)", len(train_prompts))
-    samples = generate_samples(options, train_prompts)
+    samples = _cached_samples(options, train_prompts)
     generated = time.monotonic() - begin
     # Leave a tenth of the budget (at least a minute) for saving and the held-out report.
     train_deadline = deadline - max(60.0, 0.1 * options.max_minutes * 60)

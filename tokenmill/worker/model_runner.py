@@ -243,6 +243,10 @@ class ModelRunner:
             from tokenmill.worker.mtp_proposer import MTPProposer
 
             self.proposer = MTPProposer(config, source, self.model, self.num_blocks, kv_dtype)
+        elif spec is not None and spec.method in ("eagle", "eagle3"):
+            from tokenmill.worker.eagle_proposer import EagleProposer
+
+            self.proposer = EagleProposer(config, self.model, self.num_blocks, kv_dtype)
         elif spec is not None:
             self.proposer = make_proposer(spec)
         self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
@@ -583,17 +587,18 @@ class ModelRunner:
         """Logits ``[num_logit_rows, vocab_size]`` for ``batch.logits_rows``, or the ``LayerProgress``
         where ``batch.control`` stopped the forward (``models/base.py``: native models and the
         transformers fallback share this interface). A drafter that reads the target's hidden states
-        (``mtp``) gets every row's."""
+        (``mtp``, EAGLE) gets every row's, and the layer inputs it asks for."""
         record = getattr(self.proposer, "record", None)
         if self.lora is not None:
             with self.lora.state.bound(batch.lora):
                 return self.model.forward_logits(batch)
         if record is None:
             return self.model.forward_logits(batch)
+        batch.aux_layers = getattr(self.proposer, "aux_layers", ())
         hidden = self.model(batch)  # [num_tokens, hidden_size] or LayerProgress
         if isinstance(hidden, LayerProgress):
             return hidden
-        record(entries, hidden)
+        record(entries, hidden, batch)
         return self.model.compute_logits(hidden[batch.logits_rows])
 
     def _sample(

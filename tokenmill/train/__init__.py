@@ -1,0 +1,1 @@
+"""Training what the engine runs beside a model (``eagle.py``: an EAGLE draft head)."""

@@ -10,7 +10,9 @@ from tests.unit.test_q8 import q8_0_like
 from tokenmill.layers.batch_invariant import ROW_TILE, row_kernel_available, row_tiled
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.fused_moe import FusedExperts
+from tokenmill.layers.int4 import quantize_int4_weight
 from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.q8 import exact_q8_weight
 
 BATCH_SIZES = [1, 2, 5, 16, 17, 40, 64, 130]
 
@@ -157,3 +159,20 @@ def test_an_exact_8_bit_head_takes_its_row_kernel_for_any_batch() -> None:
     assert head.q8_weight is not None
     assert torch.equal(head(x), head.q8_weight.linear(x))
     rows_alone_and_together(head, 576, torch.bfloat16)
+
+
+@needs_row_kernel
+def test_the_packed_row_kernels_give_the_bits_of_the_bfloat16_row_kernel_over_their_values() -> None:
+    """int4 and exact 8-bit groups decode to the layer's bfloat16 values and run the same loop, so the
+    deterministic mode may stream them for a few rows and multiply the bfloat16 weight for more."""
+    torch.manual_seed(4)
+    weight = (torch.randn(1536, 576) * 0.05).to(torch.bfloat16)  # [out, in]
+    x = torch.randn(40, 576).to(torch.bfloat16)  # [40, in]
+    int4, values, _ = quantize_int4_weight(weight)
+    assert int4 is not None and values is not None
+    packed = torch.ops.tokenmill.int4_linear(x, int4.packed, int4.scales, int4.mins, 1)  # [40, out]
+    assert torch.equal(packed, torch.ops.tokenmill.batch_invariant_linear(x, values))
+    q8_values = q8_0_like(1536, 576)
+    q8 = exact_q8_weight(q8_values)
+    assert q8 is not None
+    assert torch.equal(q8.linear(x), torch.ops.tokenmill.batch_invariant_linear(x, q8_values))

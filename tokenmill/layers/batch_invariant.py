@@ -20,9 +20,20 @@ quantized layers stream their packed weights. The kernels' rounding differs from
 mode's bits differ from the default mode's (as they already did); within the mode every layer takes
 one kernel for a dtype, so a row's bits depend only on the row.
 
+All three run ``group_gemm.h``'s loop: per output and row, one float32 accumulator takes the
+bfloat16 dot products of the 32-wide groups in input order, then one horizontal sum and a rounding.
+The packed formats decode a group to exactly the bfloat16 values of the layer's weight (the int4
+kernel's ``round_bf16(fma(q, d, m))`` is ``int4_dequantize``'s, the 8-bit kernel's
+``round_bf16(d * q)`` the exact Q8_0 value), so for the same rows the int4 row kernel, the 8-bit
+kernel and the bfloat16 kernel over the weight give the same bits (``test_batch_invariant.py``
+checks it). ``invariant_product`` therefore streams the packed weight for a few rows (decode, where
+bytes bound the time) and multiplies the bfloat16 weight for more (prompts, where decoding groups
+would), without a row's bits depending on which.
+
 Attention goes through ``DeterministicBackend`` (every row a decode of its own, a fixed reduction
-order per position) and the fused decode stack is dropped (decode-only steps would otherwise take
-other kernels than mixed ones).
+order per position). The fused decode stack is kept where it can run row-independently (bfloat16
+int4 layers on the row kernel: ``FusedDecodeStack.fitted``) and then takes every step, else dropped
+(decode-only steps would otherwise take other kernels than mixed ones).
 """
 
 from __future__ import annotations
@@ -43,6 +54,10 @@ if TYPE_CHECKING:
 ROW_TILE = 16
 GROUP_SIZE = 32  # the row kernel's group of input features (csrc/group_gemm.h kGroup)
 ROWS_METHOD = 1  # int4_linear's row kernel (layers/int4.py METHOD_ROWS)
+# Up to these many rows the packed formats' row kernels stream fewer bytes; above, the bfloat16 row
+# kernel over the layer's weight does less work per row. Both give the same bits (see the docstring).
+INT4_ROWS = 8
+Q8_ROWS = 1
 
 
 def row_tiled(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -77,14 +92,18 @@ def invariant_product(
     bfloat16 CPU rows go through a row kernel when it is built: ``int4``'s packed weight if given,
     else ``q8``'s exact 8-bit groups, else the bfloat16 ``weight`` (``in_features`` a multiple of 32).
     Anything else (float32 rows, other shapes, no kernel) runs ``float_matmul`` (which adds the bias
-    itself) on rows padded to a multiple of ``tile`` (``row_tiled``)."""
+    itself) on rows padded to a multiple of ``tile`` (``row_tiled``). ``int4`` serves up to
+    ``INT4_ROWS`` rows and ``q8`` up to ``Q8_ROWS``, the bfloat16 kernel more: ``weight`` must hold
+    exactly their decoded values (it does: ``LinearBase.quantize_weights``, ``LMHead.keep_exact_q8``),
+    and then the kernels give the same bits, so the switch is not a batch dependence."""
     rows = x.reshape(-1, x.shape[-1])  # [num_rows, in_features]
     if rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or not row_kernel_available():
         return row_tiled(float_matmul, x, tile)
     rows = rows.contiguous()
-    if int4 is not None:
+    num_rows = rows.shape[0]
+    if int4 is not None and num_rows <= INT4_ROWS:
         out = torch.ops.tokenmill.int4_linear(rows, int4.packed, int4.scales, int4.mins, ROWS_METHOD)
-    elif q8 is not None:
+    elif q8 is not None and num_rows <= Q8_ROWS:
         out = torch.ops.tokenmill.q8_linear(rows, q8.q, q8.scales)  # [num_rows, out_features]
     elif weight.dtype == torch.bfloat16 and weight.shape[1] % GROUP_SIZE == 0 and weight.is_contiguous():
         out = torch.ops.tokenmill.batch_invariant_linear(rows, weight)  # [num_rows, out_features]
@@ -96,21 +115,32 @@ def invariant_product(
 
 
 def make_batch_invariant(model: torch.nn.Module) -> None:
-    """Put every layer of ``model`` on its batch-invariant path: products in row tiles (layers with a
-    ``row_tile`` attribute), attention through ``DeterministicBackend``, no fused decode stack. Run
+    """Put every layer of ``model`` on its batch-invariant path: products on row kernels or in row tiles
+    (layers with a ``row_tile`` attribute), attention through ``DeterministicBackend`` (latent
+    attention through ``DeterministicMLABackend``), the fused
+    decode stack row-independent or none. Run
     after the layers derive their weights (at load and after each weight update)."""
     from tokenmill.layers.attention.backend import AttentionBackend
     from tokenmill.layers.attention.deterministic import DeterministicBackend
+    from tokenmill.layers.attention.deterministic_mla import DeterministicMLABackend
+    from tokenmill.layers.attention.mla import MLAReferenceBackend
 
+    replaced: dict[int, DeterministicBackend] = {}  # id of a replaced backend: its replacement
     for module in model.modules():
         if hasattr(module, "row_tile"):
             setattr(module, "row_tile", ROW_TILE)  # noqa: B010 - LinearBase, LMHead, FusedExperts
         for name, child in list(vars(module).items()):
             if isinstance(child, AttentionBackend) and not isinstance(child, DeterministicBackend):
-                setattr(
-                    module,
-                    name,
-                    DeterministicBackend(child.num_heads, child.num_kv_heads, child.head_dim, child.scale),
+                backend = DeterministicBackend(
+                    child.num_heads, child.num_kv_heads, child.head_dim, child.scale
                 )
-    if getattr(model, "decode_stack", None) is not None:
-        setattr(model, "decode_stack", None)  # noqa: B010 - only the Llama family has one
+                replaced[id(child)] = backend
+                setattr(module, name, backend)
+            elif isinstance(child, MLAReferenceBackend) and not isinstance(child, DeterministicMLABackend):
+                setattr(module, name, DeterministicMLABackend.like(child))  # DeepSeek's latent cache
+    stack = getattr(model, "decode_stack", None)  # only the Llama family has one
+    if stack is not None:
+        # The stack attends through its first layer's backend; on the replacement it runs
+        # row-independently, or is dropped where it cannot (fused_decode_stack.FusedDecodeStack.fitted).
+        target = replaced.get(id(stack.backend))
+        setattr(model, "decode_stack", None if target is None else stack.with_backend(target))  # noqa: B010

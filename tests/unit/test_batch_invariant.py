@@ -106,12 +106,13 @@ needs_row_kernel = pytest.mark.skipif(
 
 
 @needs_row_kernel
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 1536), (1536, 576), (64, 40)])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 1536), (1536, 576), (64, 40), (96, 37)])
 def test_the_bfloat16_row_kernel_gives_each_row_the_same_bits_in_any_batch(
     in_features: int, out_features: int
 ) -> None:
-    """csrc/batch_invariant_gemm_cpu.cpp: one row alone and among 129 others (several 16-row passes and
-    a partial one), the float32 product rounded once per output within bfloat16's precision."""
+    """csrc/batch_invariant_gemm_cpu.cpp: one row alone (the plain row kernel) and among 129 others
+    (the register-blocked one: 6-row tiles and a partial one, 4-output blocks and single outputs past
+    the last whole block), the float32 product rounded once per output within bfloat16's precision."""
     torch.manual_seed(3)
     weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)  # [out, in]
     x = torch.randn(max(BATCH_SIZES), in_features).to(torch.bfloat16)  # [130, in]

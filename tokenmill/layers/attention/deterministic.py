@@ -17,7 +17,7 @@ dtype or head size it does not take) a Python loop attends one row at a time in 
 
 The fused decode stack (``layers/fused_decode_stack.py``) attends through ``stack_attention``: the
 same rows as decodes on the same kernel, declared row-independent (``stack_row_independent``), so
-the stack runs its row-independent variant for steps of every size.
+the stack runs its row-independent variant, with the layer modules' bits, for the steps it takes.
 """
 
 from __future__ import annotations

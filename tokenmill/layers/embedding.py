@@ -131,7 +131,8 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[num_rows, vocab_size]``; under tensor parallelism only on rank 0 (the other
-        ranks get ``[num_rows, 0]``). The deterministic mode projects in row tiles (``row_tile``)."""
+        ranks get ``[num_rows, 0]``). The deterministic mode projects on a batch-invariant row kernel or in
+        row tiles (``row_tile``, ``batch_invariant.invariant_product``)."""
         if self.row_tile:
             weight = self._projection_weight()
             local = invariant_product(

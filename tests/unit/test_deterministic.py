@@ -168,6 +168,9 @@ def test_the_fused_stack_stays_row_independent_and_matches_the_layer_modules(
     assert calls and max(calls) <= stack.max_rows
     crowd = run(llm, [*OTHERS[:32], PROBE, *OTHERS[32:]], GREEDY)
     assert crowd[32] == alone[0]
+    llm.update_weights_from_disk(tiny_model(arch).path)  # the same weights: rebuilt, still row-independent
+    assert model.decode_stack is not None and model.decode_stack.row_independent
+    assert run(llm, [PROBE], GREEDY)[0] == alone[0]
     calls.clear()
     model.decode_stack = None  # the mode's layer modules only
     assert run(llm, [PROBE], GREEDY)[0] == alone[0] and not calls

@@ -142,5 +142,9 @@ def make_batch_invariant(model: torch.nn.Module) -> None:
     if stack is not None:
         # The stack attends through its first layer's backend; on the replacement it runs
         # row-independently, or is dropped where it cannot (fused_decode_stack.FusedDecodeStack.fitted).
+        # A stack rebuilt after a weight update already attends through a replacement.
         target = replaced.get(id(stack.backend))
-        setattr(model, "decode_stack", None if target is None else stack.with_backend(target))  # noqa: B010
+        if target is not None:
+            setattr(model, "decode_stack", stack.with_backend(target))  # noqa: B010
+        elif not stack.row_independent:
+            setattr(model, "decode_stack", None)  # noqa: B010

@@ -98,7 +98,12 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "none"],
+        help="unset: the weights as `make serve` loads them (a GGUF's exactly 4-bit layers on the int4 kernel)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)

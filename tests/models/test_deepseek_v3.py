@@ -147,9 +147,36 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(deepseek: TinyModel) -
     assert [o.outputs[0].token_ids for o in outputs] == [deepseek.greedy(p, NUM_NEW) for p in prompts]
 
 
-def test_deterministic_mode_refuses_the_latent_cache(deepseek: TinyModel) -> None:
-    with pytest.raises(ValueError, match="deterministic mode does not support DeepseekV3ForCausalLM"):
-        LLM(deepseek.path, dtype="float32", block_size=4, num_blocks=32, deterministic=True)
+def _answers(outputs: list[Any]) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    """Tokens and every position's (token, logprob) pairs, for exact comparison."""
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [sorted((t, lp.logprob) for t, lp in row.items()) for row in o.outputs[0].logprobs],
+        )
+        for o in outputs
+    ]
+
+
+def test_deterministic_mode_is_batch_invariant_and_matches_transformers(deepseek: TinyModel) -> None:
+    """The latent cache in the deterministic mode (layers/attention/deterministic_mla.py): each
+    prompt alone and in a batch (16-token chunks) give bitwise the same tokens and logprobs, after a
+    prefix-cache hit too, and transformers' greedy tokens."""
+    llm = make_llm(deepseek, deterministic=True)
+    assert all(type(layer.self_attn.attn).__name__ == "DeterministicMLABackend" for layer in llm_layers(llm))
+    prompts = tiny_prompts()
+    params = greedy(NUM_NEW, logprobs=3)
+    batched = _answers(llm.generate(as_inputs(prompts), params, use_tqdm=False))
+    alone = make_llm(deepseek, deterministic=True, enable_prefix_caching=False, max_num_batched_tokens=64)
+    for prompt, answer in zip(prompts, batched, strict=True):
+        assert _answers(alone.generate(as_inputs([prompt]), params, use_tqdm=False)) == [answer]
+        assert answer[0] == deepseek.greedy(prompt, NUM_NEW), f"prompt of {len(prompt)} tokens"
+    hit = llm.generate(as_inputs([prompts[-1]]), params, use_tqdm=False)  # its prompt is cached now
+    assert hit[0].num_cached_tokens > 0 and _answers(hit) == [batched[-1]]
+
+
+def llm_layers(llm: LLM) -> list[Any]:
+    return list(llm.engine.executor.runner.model.layers)
 
 
 def test_deepseek_v32_names_the_transformers_fallback() -> None:

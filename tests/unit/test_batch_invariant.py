@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.batch_invariant import ROW_TILE, row_tiled
+from tests.unit.test_q8 import q8_0_like
+from tokenmill.layers.batch_invariant import ROW_TILE, row_kernel_available, row_tiled
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.fused_moe import FusedExperts
+from tokenmill.layers.int4 import quantize_int4_weight
 from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.q8 import exact_q8_weight
 
 BATCH_SIZES = [1, 2, 5, 16, 17, 40, 64, 130]
 
@@ -94,3 +97,83 @@ def test_tiled_experts_give_each_token_the_same_bits_in_any_batch() -> None:
     for size in BATCH_SIZES:
         together = experts(x[:size], weights[:size], expert_ids[:size])
         assert all(torch.equal(together[i], alone[i]) for i in range(size)), f"a batch of {size} differs"
+
+
+needs_row_kernel = pytest.mark.skipif(
+    not row_kernel_available(),
+    reason="the row kernels need the AVX512-BF16 build (the tiles serve elsewhere)",
+)
+
+
+@needs_row_kernel
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 1536), (1536, 576), (64, 40), (96, 37)])
+def test_the_bfloat16_row_kernel_gives_each_row_the_same_bits_in_any_batch(
+    in_features: int, out_features: int
+) -> None:
+    """csrc/batch_invariant_gemm_cpu.cpp: one row alone (the plain row kernel) and among 129 others
+    (the register-blocked one: 6-row tiles and a partial one, 4-output blocks and single outputs past
+    the last whole block), the float32 product rounded once per output within bfloat16's precision."""
+    torch.manual_seed(3)
+    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)  # [out, in]
+    x = torch.randn(max(BATCH_SIZES), in_features).to(torch.bfloat16)  # [130, in]
+    out = torch.ops.tokenmill.batch_invariant_linear(x, weight)  # [130, out]
+    reference = x.float() @ weight.float().T  # [130, out]
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+    alone = torch.cat([torch.ops.tokenmill.batch_invariant_linear(x[i : i + 1], weight) for i in range(130)])
+    assert torch.equal(out, alone)
+    assert torch.ops.tokenmill.batch_invariant_linear(x[:0], weight).shape == (0, out_features)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.tokenmill.batch_invariant_linear(x[:, :40], weight[:, :40].contiguous())
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("kind", [None, "int8", "int4"])
+def test_bfloat16_layers_take_the_row_kernels_without_padding(kind: str | None) -> None:
+    """A tiled bfloat16 layer multiplies its rows with a row kernel (int4: the packed weight's row
+    kernel, method 1), bias added after: one row is not padded to sixteen."""
+    layer = LinearBase(576, 1536, bias=True, dtype=torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(layer.bias, std=0.05)
+    if kind is not None:
+        assert layer.quantize_weights(kind) is None
+    layer.prepare_for_inference()
+    layer.row_tile = ROW_TILE
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    if layer.int4_weight is not None:
+        w = layer.int4_weight
+        bare = torch.ops.tokenmill.int4_linear(x, w.packed, w.scales, w.mins, 1)  # [3, 1536]
+    else:
+        bare = torch.ops.tokenmill.batch_invariant_linear(x, layer.weight)  # [3, 1536]
+    assert torch.equal(layer(x), bare + layer.bias)
+    rows_alone_and_together(layer, 576, torch.bfloat16)
+
+
+@needs_row_kernel
+def test_an_exact_8_bit_head_takes_its_row_kernel_for_any_batch() -> None:
+    """The bundled SmolLM2's head holds exact 8-bit groups: the mode projects every batch with them."""
+    head = LMHead(4096, 576, torch.bfloat16)
+    head.weight.data.copy_(q8_0_like(4096, 576))
+    assert head.keep_exact_q8()
+    head.prepare_for_inference()
+    head.row_tile = ROW_TILE
+    x = torch.randn(2, 576).to(torch.bfloat16)
+    assert head.q8_weight is not None
+    assert torch.equal(head(x), head.q8_weight.linear(x))
+    rows_alone_and_together(head, 576, torch.bfloat16)
+
+
+@needs_row_kernel
+def test_the_packed_row_kernels_give_the_bits_of_the_bfloat16_row_kernel_over_their_values() -> None:
+    """int4 and exact 8-bit groups decode to the layer's bfloat16 values and run the same loop, so the
+    deterministic mode may stream them for a few rows and multiply the bfloat16 weight for more."""
+    torch.manual_seed(4)
+    weight = (torch.randn(1536, 576) * 0.05).to(torch.bfloat16)  # [out, in]
+    x = torch.randn(40, 576).to(torch.bfloat16)  # [40, in]
+    int4, values, _ = quantize_int4_weight(weight)
+    assert int4 is not None and values is not None
+    packed = torch.ops.tokenmill.int4_linear(x, int4.packed, int4.scales, int4.mins, 1)  # [40, out]
+    assert torch.equal(packed, torch.ops.tokenmill.batch_invariant_linear(x, values))
+    q8_values = q8_0_like(1536, 576)
+    q8 = exact_q8_weight(q8_values)
+    assert q8 is not None
+    assert torch.equal(q8.linear(x), torch.ops.tokenmill.batch_invariant_linear(x, q8_values))

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import VOCAB_SIZE, TinyModel
 from tokenmill.config import EngineConfig, LoRAConfig, ModelConfig, build_engine_config
 from tokenmill.engine_args import add_engine_args, engine_kwargs
+from tokenmill.layers import fused_cpu
+from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.llm import LLM
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -36,7 +38,8 @@ def answer(output: RequestOutput) -> Answer:
 
 
 # (tiny model, engine options): float32; bfloat16 with heads of 64 (the compiled kernels' shapes);
-# int8 and int4 weights, computed through their float copies.
+# int8 and int4 weights (bfloat16 rows on the row kernels where built, batch_invariant.py; int4 also
+# through the row-independent fused stack).
 SETTINGS = {
     "float32": ("llama", {"dtype": "float32"}),
     "bfloat16": ("wide-heads", {"dtype": "bfloat16"}),
@@ -134,3 +137,40 @@ def test_the_command_line_turns_it_on() -> None:
     args = parser.parse_args(["--deterministic", "--dtype", "float32"])
     assert build_engine_config("m", **engine_kwargs(args)).deterministic
     assert not build_engine_config("m", **engine_kwargs(parser.parse_args([]))).deterministic
+
+
+@pytest.mark.parametrize("arch", ["wide-heads", "qwen3"])
+def test_the_fused_stack_stays_row_independent_and_matches_the_layer_modules(
+    tiny_model: Callable[[str], TinyModel], monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """bfloat16 int4 layers keep the fused decode stack in the mode, declared row-independent: it takes
+    steps of up to its max_rows (prompt rows too, as decodes), gives a request the same bits alone and
+    in a crowd, and the same bits as the mode's layer modules (qwen3: per-head q/k norms)."""
+    llm = make_llm((tiny_model(arch), SETTINGS["int4"][1]), enable_prefix_caching=False)
+    model = llm.engine.executor.runner.model
+    stack = model.decode_stack
+    if not row_kernel_available():  # the AVX2 / portable builds: no row kernels, the stack is dropped
+        assert stack is None
+        return
+    assert stack is not None and stack.row_independent and stack.wide is None
+    calls: list[int] = []
+    original = fused_cpu.llama_decode_stack
+
+    def counting(hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(hidden.shape[0])
+        assert kwargs["row_independent"] and kwargs["chunks"] is None
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "llama_decode_stack", counting)
+    # Alone, the decode steps (one row) take the stack; in the crowd, steps of more than max_rows
+    # rows take the layer modules (the bfloat16 row kernel): the same bits.
+    alone = run(llm, [PROBE], GREEDY)
+    assert calls and max(calls) <= stack.max_rows
+    crowd = run(llm, [*OTHERS[:32], PROBE, *OTHERS[32:]], GREEDY)
+    assert crowd[32] == alone[0]
+    llm.update_weights_from_disk(tiny_model(arch).path)  # the same weights: rebuilt, still row-independent
+    assert model.decode_stack is not None and model.decode_stack.row_independent
+    assert run(llm, [PROBE], GREEDY)[0] == alone[0]
+    calls.clear()
+    model.decode_stack = None  # the mode's layer modules only
+    assert run(llm, [PROBE], GREEDY)[0] == alone[0] and not calls

@@ -35,7 +35,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
               const at::Tensor& slot_mapping);
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window, const std::optional<at::Tensor>& sinks = std::nullopt);
+                                  int64_t window, const std::optional<at::Tensor>& sinks = std::nullopt,
+                                  bool tiles = true);
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                    const at::Tensor& block_table, int64_t start, double scale);
 // Whether the float32 prompt-chunk attention (prefill_attention_f32_cpu.cpp) is built: AVX2 without AVX-512.

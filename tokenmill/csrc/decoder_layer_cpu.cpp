@@ -47,6 +47,9 @@
 //   start_layer  with residual, a resumed call: the layer to go on from, hidden and residual being what a
 //   residual     stopped call returned (the input of that layer and the residual stream, [0] before the
 //                first layer); without, 0 and hidden is the embeddings
+//   row_independent  (the deterministic mode) int4 products on the row kernel and decode attention on
+//                the vector path for any number of rows (no AMX tiles chosen by the row count), every row
+//                a decode (no chunk_spans): a row's bits then do not depend on the other rows
 //   returns      (out, residual, next_layer): when every layer ran, next_layer = L and out [S, hidden] is
 //                the final norm's output (the LM head's input); when the interrupt stopped the call
 //                before layer l, next_layer = l, out is that layer's input and residual the residual
@@ -73,6 +76,7 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kAutoKernel = 0;  // int4_linear picks the row or tile kernel by row count
+constexpr int64_t kRowKernel = 1;   // int4_linear's row kernel for any row count (row_independent)
 constexpr size_t kNumProjections = 4;
 constexpr size_t kNumWeights = 2 + 3 * kNumProjections;  // int4: two norms, (packed, scales, mins) each
 constexpr size_t kNumPanelWeights = 2 + kNumProjections;  // float32: two norms, the panels of each
@@ -118,6 +122,9 @@ struct StepInputs {
   at::Tensor chunk_tables;                     // [C, max_blocks]
   at::Tensor decode_rows;                      // [D]: the rows block_tables and seq_lens describe
   bool decodes_lead = false;                   // decode_rows is 0 .. D - 1
+  // The deterministic mode: int4 products on the row kernel and decode attention on the vector path
+  // whatever the number of rows, so each row's bits do not depend on the other rows.
+  bool row_independent = false;
 };
 
 // The step's attention for q [S, H, D] (this layer's keys and values already stored).
@@ -125,13 +132,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
                   const StepInputs& step) {
   if (step.chunks.empty())
     return ops::paged_attention_decode(q, key_cache, value_cache, step.block_tables, step.seq_lens, step.scale,
-                                       step.window);  // [S, H, D]
+                                       step.window, std::nullopt, !step.row_independent);  // [S, H, D]
   at::Tensor out = at::empty(q.sizes(), q.options());  // [S, H, D]
   const int64_t decodes = step.decode_rows.size(0);
   if (decodes > 0) {
     const at::Tensor rows = step.decodes_lead ? q.narrow(0, 0, decodes) : q.index_select(0, step.decode_rows);
     const at::Tensor attended = ops::paged_attention_decode(rows, key_cache, value_cache, step.block_tables,
-                                                            step.seq_lens, step.scale, step.window);  // [D, H, D]
+                                                            step.seq_lens, step.scale, step.window, std::nullopt,
+                                                            !step.row_independent);  // [D, H, D]
     if (step.decodes_lead)
       out.narrow(0, 0, decodes).copy_(attended);
     else
@@ -169,7 +177,8 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
     const size_t first = 2 + layout.per_projection * p;
     const std::optional<at::Tensor> bias = biases.get(first_bias + p);
     if (layout.per_projection == 1) return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
-    at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2], kAutoKernel);
+    at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2],
+                                      step.row_independent ? kRowKernel : kAutoKernel);
     return bias.has_value() ? at::add(out, *bias) : out;
   };
 
@@ -214,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden
                               int64_t window, const std::optional<at::Tensor>& interrupt,
                               const std::optional<at::Tensor>& chunk_spans, const std::optional<at::Tensor>& chunk_tables,
                               const std::optional<at::Tensor>& decode_rows, int64_t start_layer,
-                              const std::optional<at::Tensor>& residual) {
+                              const std::optional<at::Tensor>& residual, bool row_independent) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0, "kv_caches must hold one cache per layer, got none");
   const size_t per_layer = weights.size() / layers;
@@ -232,6 +241,9 @@ std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden
   }
   StepInputs step{positions, cos_cache,    sin_cache, slot_mapping, block_tables, seq_lens, num_heads,
                   num_kv_heads, head_dim, eps,       scale,        window};
+  step.row_independent = row_independent;
+  TORCH_CHECK(!row_independent || !chunk_spans.has_value(),
+              "row_independent attends every row as a decode: no prompt chunks through the prefill kernel");
   if (chunk_spans.has_value()) {
     TORCH_CHECK(chunk_tables.has_value() && decode_rows.has_value(), "chunk_spans needs chunk_tables and decode_rows");
     const at::Tensor spans = chunk_spans->to(at::kLong).contiguous();
@@ -296,7 +308,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "Tensor positions, Tensor cos_cache, Tensor sin_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int window, Tensor? interrupt=None, Tensor? chunk_spans=None, Tensor? chunk_tables=None, "
-      "Tensor? decode_rows=None, int start_layer=0, Tensor? residual=None) -> (Tensor, Tensor, int)");
+      "Tensor? decode_rows=None, int start_layer=0, Tensor? residual=None, bool row_independent=False) -> "
+      "(Tensor, Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }

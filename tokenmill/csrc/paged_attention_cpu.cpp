@@ -869,9 +869,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 }
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window, const std::optional<at::Tensor>& sinks) {
+                                  int64_t window, const std::optional<at::Tensor>& sinks, bool tiles) {
   return ::tokenmill::paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window,
-                                             /*tiles=*/true, sinks);
+                                             tiles, sinks);
 }
 }  // namespace tokenmill::ops
 

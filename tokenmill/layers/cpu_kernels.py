@@ -38,6 +38,7 @@ SOURCES = [
     CSRC / "prefill_attention_f32_cpu.cpp",
     CSRC / "f32_gemm_cpu.cpp",
     CSRC / "group_gemm_f32_cpu.cpp",
+    CSRC / "batch_invariant_gemm_cpu.cpp",
 ]
 HEADERS = [
     CSRC / "vec16.h",

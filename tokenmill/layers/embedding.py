@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.batch_invariant import row_tiled
+from tokenmill.layers.batch_invariant import invariant_product
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
@@ -131,9 +131,13 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[num_rows, vocab_size]``; under tensor parallelism only on rank 0 (the other
-        ranks get ``[num_rows, 0]``). The deterministic mode projects in row tiles (``row_tile``)."""
+        ranks get ``[num_rows, 0]``). The deterministic mode projects on a batch-invariant row kernel or in
+        row tiles (``row_tile``, ``batch_invariant.invariant_product``)."""
         if self.row_tile:
-            local = row_tiled(self._float_projection, hidden, self.row_tile)  # [num_rows, rows_per_rank]
+            weight = self._projection_weight()
+            local = invariant_product(
+                hidden, weight, None, self._float_projection, self.row_tile, q8=self.q8_weight
+            )  # [num_rows, rows_per_rank]
         else:
             local = self._project(hidden)  # [num_rows, rows_per_rank]
         if self.tp.size == 1:

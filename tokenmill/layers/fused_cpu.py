@@ -101,6 +101,7 @@ def llama_decode_stack(
     interrupt: torch.Tensor | None = None,  # [1] uint8 (step_control.py), polled between layers
     chunks: DecodesAndChunks | None = None,
     resume_from: LayerProgress | None = None,
+    row_independent: bool = False,
 ) -> torch.Tensor | LayerProgress:
     """Every Llama decoder layer over a step of decodes with int4 projections (bfloat16) or float32
     panels (each with its bias, if any), then the final norm, in one C++ call
@@ -110,7 +111,9 @@ def llama_decode_stack(
     ``resume_from`` (such a progress; ``hidden`` is then ignored) goes on from there, running at least
     one layer before it reads the flag again. With ``chunks``, ``block_tables`` and ``seq_lens`` are
     those of ``chunks.decode_rows`` and each of ``chunks.chunk_spans`` attends through the prefill
-    kernel."""
+    kernel. ``row_independent`` (the deterministic mode; no ``chunks``): products on the int4 row kernel
+    and decode attention on its vector path whatever the number of rows, so a row's bits do not
+    depend on the other rows."""
     num_heads, num_kv_heads, head_dim = shape
     start_layer, residual = 0, None
     if resume_from is not None:
@@ -141,6 +144,7 @@ def llama_decode_stack(
         None if chunks is None else chunks.decode_rows,
         start_layer,
         residual,
+        row_independent,
     )  # [S, hidden] (the final norm's output, or the input of layer next_layer), [S, hidden] or [0], int
     if next_layer < len(kv_caches):
         return LayerProgress(next_layer, out, residual_out if residual_out.numel() else None)

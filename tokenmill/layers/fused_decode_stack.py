@@ -9,18 +9,30 @@ the prefill kernel or as decodes); the hook adds only what the op itself needs (
 projections on the int4 kernel, or float32 panels, and few enough rows for them; a float32 model's
 int4 layers take small steps on the int4 kernel and larger ones on their panels).
 The op gives the same bits as the layer modules, so taking it or not changes no output.
+
+A backend declares whether its stack attention is row-independent (``StackAttentionSource``): the
+deterministic mode's ``DeterministicBackend`` does (every row a decode on the decode kernel's
+vector path). A stack over such a backend runs the op with ``row_independent`` (int4 products on the
+row kernel, never the AMX tiles) and exists only where that holds: a bfloat16 stack on the int4 row
+kernel (``batch_invariant.row_kernel_available``). Its per-row arithmetic is then that of the
+deterministic layer modules, so whether a step takes it (up to ``max_rows`` rows) or the modules
+changes no bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention.backend import AttentionBackend
-from tokenmill.layers.attention.cpu_paged import CpuPagedBackend
+from tokenmill.layers.attention.cpu_paged import StackAttention
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.int4 import INT4_FLOAT32_MAX_ROWS
 from tokenmill.layers.linear import LinearBase
@@ -29,6 +41,21 @@ from tokenmill.step_control import LayerProgress
 
 # The float32 panel kernel takes any number of rows; the fused stack then takes as many.
 PANELS_MAX_ROWS = 1 << 30
+
+
+@runtime_checkable
+class StackAttentionSource(Protocol):
+    """An attention backend the fused stack can attend through: ``stack_attention`` gives a step's
+    rows' attention arguments (or None: the step runs the layer modules), ``scale`` the softmax scale,
+    and ``stack_row_independent`` declares whether the stack must run row-independently (the
+    deterministic mode: every row a decode, no kernel chosen by the number of rows)."""
+
+    scale: float
+    stack_row_independent: bool
+
+    def stack_attention(
+        self, metadata: AttentionMetadata, num_tokens: int, dtype: torch.dtype, kv_cache: torch.Tensor
+    ) -> StackAttention | None: ...
 
 
 @dataclass
@@ -66,7 +93,7 @@ class FusedDecodeWeights:
         any) with all four projections on the int4 kernel, or float32 norms with all four on the int4
         kernel (when ``int4``: a float32 model's exactly 4-bit layers) or on float32 panels
         (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
-        if not isinstance(parts.attention, CpuPagedBackend):
+        if not isinstance(parts.attention, StackAttentionSource):
             return None
         rotary = parts.rotary
         if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
@@ -113,7 +140,7 @@ class FusedDecodeStack:
     biases: list[torch.Tensor | None]
     max_rows: int
     dtype: torch.dtype
-    backend: CpuPagedBackend
+    backend: StackAttentionSource
     rotary: RotaryEmbedding
     final_norm: torch.Tensor  # [hidden]
     shape: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
@@ -157,9 +184,9 @@ class FusedDecodeStack:
         ):
             return None
         first = parts[0]
-        assert first is not None and isinstance(first.attention, CpuPagedBackend)
+        assert first is not None and isinstance(first.attention, StackAttentionSource)
         assert isinstance(first.rotary, RotaryEmbedding)
-        return cls(
+        stack = cls(
             layers=layers,
             weights=[tensor for layer in layers for tensor in layer.weights],
             biases=[bias for layer in layers for bias in layer.biases],
@@ -171,6 +198,27 @@ class FusedDecodeStack:
             shape=shape,
             eps=eps,
         )
+        return stack.fitted()
+
+    @property
+    def row_independent(self) -> bool:
+        """Whether each row's bits are independent of the step's other rows (the backend asks for it)."""
+        return self.backend.stack_row_independent
+
+    def fitted(self) -> FusedDecodeStack | None:
+        """This stack as its backend needs it: unchanged, or for a row-independent backend the
+        bfloat16 int4 stack with the row kernels built (else None). Steps above ``max_rows`` run the
+        layer modules, whose bfloat16 row kernel gives the int4 row kernel's bits
+        (``batch_invariant.invariant_product``)."""
+        if not self.row_independent:
+            return self
+        if self.dtype != torch.bfloat16 or not row_kernel_available():
+            return None
+        return dataclasses.replace(self, wide=None)
+
+    def with_backend(self, backend: StackAttentionSource) -> FusedDecodeStack | None:
+        """This stack attending through ``backend`` (``fitted`` to it)."""
+        return dataclasses.replace(self, backend=backend, wide=None).fitted()
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | LayerProgress | None:
         """The decoder stack and the final norm over ``hidden`` (``[num_tokens, hidden_size]``: the
@@ -205,6 +253,7 @@ class FusedDecodeStack:
             batch.control.flag_tensor,
             chunks=rows.chunks,
             resume_from=batch.resume_from,
+            row_independent=self.row_independent,
         )  # [num_tokens, hidden_size], or where the flag stopped the call
         if isinstance(out, LayerProgress):
             batch.control.stopped_at(out.next_layer)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.batch_invariant import row_tiled
+from tokenmill.layers.batch_invariant import invariant_product
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
@@ -59,8 +59,9 @@ class LinearBase(nn.Module):
         self.int8_weight: torch.Tensor | None = None  # [out_features, in_features] int8
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None
-        # Deterministic mode (layers/batch_invariant.py): products run on multiples of this many rows
-        # through the float weight; 0 (the default) lets each batch take its fastest kernel.
+        # Deterministic mode (layers/batch_invariant.py invariant_product): a batch-invariant row kernel,
+        # or products on multiples of this many rows through the float weight; 0 (the default) lets
+        # each batch take its fastest kernel.
         self.row_tile = 0
 
     def quantize_weights(self, kind: str, lossless_only: bool = False) -> str | None:
@@ -94,7 +95,8 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_tile:
-            return row_tiled(lambda rows: self._float_matmul(rows, bias), x, self.row_tile)
+            float_matmul = lambda rows: self._float_matmul(rows, bias)  # noqa: E731
+            return invariant_product(x, self.weight, bias, float_matmul, self.row_tile, int4=self.int4_weight)
         if self.int4_weight is not None and self.int4_weight.takes(x):
             return self.int4_weight.linear(x, bias)
         if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.attention import select_mla_backend
+from tokenmill.layers.batch_invariant import row_tiled
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_moe import FusedExperts, load_expert_tensors
@@ -214,10 +215,17 @@ class DeepseekV3Router(nn.Module):
             )
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.row_tile = 0  # deterministic mode: the scores in row tiles (layers/batch_invariant.py)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [num_tokens, top_k] float32, expert_ids [num_tokens, top_k] int64)``."""
-        scores = torch.sigmoid(torch.nn.functional.linear(hidden.float(), self.weight))  # [T, E]
+        # In row tiles the sigmoid runs on whole tiles too: a vectorised transcendental gives other
+        # bits on a tensor's scalar tail, so its row count must not vary either.
+        scores = (
+            row_tiled(self._scores, hidden.float(), self.row_tile)
+            if self.row_tile
+            else self._scores(hidden.float())
+        )  # [T, E]
         for_choice = scores + self.e_score_correction_bias  # [T, E]: the bias only picks experts
         if self.num_groups > 1:
             grouped = for_choice.view(for_choice.shape[0], self.num_groups, -1)  # [T, G, E / G]
@@ -230,6 +238,9 @@ class DeepseekV3Router(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor, expert_ids
+
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(torch.nn.functional.linear(hidden, self.weight))  # [T, E]
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> DeepseekV3Router:
         super()._apply(fn, recurse)

@@ -143,11 +143,6 @@ class ModelRunner:
             self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
             self.model.eval()
             quantized, exact_int4, exact_q8 = self._derive_weights()
-            if config.deterministic and self.model.kv_cache_spec.num_planes != 2:
-                raise ValueError(
-                    f"the deterministic mode does not support {model_class.__name__}'s latent KV cache "
-                    "(multi-head latent attention) yet"
-                )
             description = (
                 f"native {model_class.__name__}"
                 + (f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
@@ -263,7 +258,9 @@ class ModelRunner:
         exact int4 layers and the exact 8-bit heads. Run at load and after every weight update."""
         kind = self.config.model.quantization
         quantized = self._quantize(kind)
-        keep_exact = kind is None and not self.config.deterministic  # the exact kernels tile by batch
+        keep_exact = (
+            kind is None
+        )  # the deterministic mode runs them on their row kernels (batch_invariant.py)
         exact_int4, exact_q8 = self._keep_exact_copies() if keep_exact else (0, 0)
         # Children first: the model's own step collects what its layers prepared (packed weights).
         for module in reversed(list(self.model.modules())):

@@ -73,6 +73,8 @@ class CpuPagedBackend(TorchReferenceBackend):
     through the fused CPU decoder stack (``stack_attention``, ``layers/fused_decode_stack.py``)."""
 
     name = "cpu"
+    # The fused stack may pick kernels by the number of rows (fused_decode_stack.StackAttentionSource).
+    stack_row_independent = False
 
     def forward(
         self,

@@ -14,13 +14,17 @@ and rows are split across threads, never a row's reduction (``tests/unit/test_cp
 checks its bits do not depend on the batch or the thread count); its vector path is used, not the
 AMX tiles, whose grouping of sequences sharing blocks is a batch property. Elsewhere (no kernel, a
 dtype or head size it does not take) a Python loop attends one row at a time in float32.
+
+The fused decode stack (``layers/fused_decode_stack.py``) attends through ``stack_attention``: the
+same rows as decodes on the same kernel, declared row-independent (``stack_row_independent``), so
+the stack runs its row-independent variant, with the layer modules' bits, for the steps it takes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.attention.cpu_paged import KERNEL_DTYPES
+from tokenmill.layers.attention.cpu_paged import KERNEL_DTYPES, StackAttention
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.cpu_kernels import MAX_HEAD_DIM, load_error, paged_attention_decode
@@ -30,6 +34,7 @@ class DeterministicBackend(TorchReferenceBackend):
     """``TorchReferenceBackend``'s metadata, with every row attended as a decode of its own."""
 
     name = "deterministic"
+    stack_row_independent = True  # fused_decode_stack.StackAttentionSource
 
     def forward(
         self,
@@ -49,11 +54,27 @@ class DeterministicBackend(TorchReferenceBackend):
             )  # [num_tokens, num_heads, head_dim]
         return self._attend_rows(query, kv_cache, tables, lengths, window, sinks)
 
+    def stack_attention(
+        self, metadata: AttentionMetadata, num_tokens: int, dtype: torch.dtype, kv_cache: torch.Tensor
+    ) -> StackAttention | None:
+        """Every row of the step a decode on the decode kernel, as ``forward`` attends it, or None where
+        ``forward`` would not use the kernel (the step then runs the layer modules: so does every step
+        of this model, the condition holding for all or none)."""
+        if not self._kernel_takes_dtype(kv_cache.device, dtype, kv_cache):
+            return None
+        tables, lengths = metadata.rows_as_decodes()  # [T, max_blocks], [T]
+        assert tables.shape[0] == num_tokens, (tables.shape, num_tokens)
+        window = metadata.groups[0].sliding_window if metadata.groups else None
+        return StackAttention(tables, lengths, window, None)
+
     def _kernel_takes(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return self._kernel_takes_dtype(query.device, query.dtype, kv_cache)
+
+    def _kernel_takes_dtype(self, device: torch.device, dtype: torch.dtype, kv_cache: torch.Tensor) -> bool:
         return (
-            query.device.type == "cpu"
-            and query.dtype == kv_cache.dtype
-            and query.dtype in KERNEL_DTYPES
+            device.type == "cpu"
+            and dtype == kv_cache.dtype
+            and dtype in KERNEL_DTYPES
             and self.head_dim <= MAX_HEAD_DIM
             and load_error() is None
         )

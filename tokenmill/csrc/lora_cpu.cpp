@@ -3,7 +3,12 @@
 // use. For row i of slot s (rank r; -1 or rank 0: nothing):
 //   t = A[s][0 .. P*r) . x_i                 (shrink: P*r dot products over the input features)
 //   out_i[o] += sum_j t[p*r + j] * Bt[s][j][o] for o in piece p's columns   (expand)
-// accumulated in float32 and added to out_i once (one rounding in bfloat16). A and Bt are float32.
+// accumulated in float32 and added to out_i once (one rounding in bfloat16). A and Bt are float32,
+// or, for bfloat16 activations on CPUs with AVX512-BF16 (TOKENMILL_LORA_BF16), bfloat16: the shrink
+// is then vdpbf16ps dot products of x and A (exact products, float32 sums), and the expand keeps Bt
+// with rank pairs interleaved ([R / 2][out][2]: lanes 2o, 2o + 1 are ranks 2j, 2j + 1 of output o)
+// so one vdpbf16ps adds two ranks' terms to 16 outputs, t rounded to bfloat16 (as a bfloat16
+// model's x A would be). Half the bytes of float32 slots: the adapters' weights are what a step reads.
 //
 // Rows are grouped by slot and taken in chunks of up to kChunkRows (the work items threads share).
 // Inside a chunk both products are register-tiled over the 16-lane vectors of vec16.h (AVX-512, or
@@ -27,6 +32,10 @@
 // The op library's name; a test builds the AVX2 variant under another name beside the native one.
 #ifndef TOKENMILL_LORA_LIBRARY
 #define TOKENMILL_LORA_LIBRARY tokenmill_lora
+#endif
+
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_LORA_BF16 1
 #endif
 
 namespace tokenmill_lora {
@@ -99,6 +108,71 @@ void expand_block(T* const* outs, const float* t, int64_t t_stride, const float*
   }
 }
 
+#ifdef TOKENMILL_LORA_BF16
+using BF16 = c10::BFloat16;
+constexpr int64_t kPairLanes = 2 * vec::kLanes;  // bfloat16 values in one vdpbf16ps operand
+
+inline __mmask32 half_mask(int64_t n) { return n >= kPairLanes ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1u); }
+inline __m512bh load_pairs(const BF16* p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(half_mask(n), p); }
+
+// The shrink of shrink_tile with bfloat16 x and A: 32 products per vdpbf16ps, float32 sums.
+template <int TM>
+void shrink_tile(const BF16* const* rows, const BF16* a_slot, int64_t width, int64_t in_features, float* shrunk,
+                 int64_t shrunk_stride) {
+  alignas(64) float sums[vec::kLanes * vec::kLanes] = {};
+  for (int64_t k0 = 0; k0 < width; k0 += kTileRanks) {
+    const BF16* a_rows[kTileRanks];
+    for (int kk = 0; kk < kTileRanks; ++kk) a_rows[kk] = a_slot + (k0 + kk < width ? k0 + kk : k0) * in_features;
+    __m512 acc[TM][kTileRanks];
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < in_features; d += kPairLanes) {
+      const int64_t n = std::min<int64_t>(kPairLanes, in_features - d);
+      __m512bh av[kTileRanks];
+      for (int kk = 0; kk < kTileRanks; ++kk) av[kk] = load_pairs(a_rows[kk] + d, n);
+      for (int mm = 0; mm < TM; ++mm) {
+        const __m512bh xv = load_pairs(rows[mm] + d, n);
+        for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = _mm512_dpbf16_ps(acc[mm][kk], av[kk], xv);
+      }
+    }
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks; ++kk) _mm512_store_ps(sums + (mm * kTileRanks + kk) * vec::kLanes, acc[mm][kk]);
+    alignas(64) float totals[vec::kLanes];
+    vec::store(totals, vec::reduce_rows(sums), vec::kLanes);
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks && k0 + kk < width; ++kk) shrunk[mm * shrunk_stride + k0 + kk] = totals[mm * kTileRanks + kk];
+  }
+}
+
+// The expand of expand_block over rank-pair-interleaved bfloat16 Bt (bt_block: pair row 0 at this
+// block's first output): each vdpbf16ps adds ranks 2j and 2j + 1 to 16 outputs. An odd rank's last
+// pair takes 0 for the missing rank's t.
+template <int TM>
+void expand_block(BF16* const* outs, const float* t, int64_t t_stride, const BF16* bt_block, int64_t rank,
+                  int64_t out_features, const int* lanes) {
+  __m512 acc[TM][kExpandVecs];
+  for (int mm = 0; mm < TM; ++mm)
+    for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < rank; j += 2) {
+    const BF16* b_row = bt_block + j * out_features;  // pair row j / 2: [out][2]
+    __m512bh bv[kExpandVecs];
+    for (int v = 0; v < kExpandVecs; ++v) bv[v] = load_pairs(b_row + v * kPairLanes, 2 * lanes[v]);
+    for (int mm = 0; mm < TM; ++mm) {
+      const float* tm = t + mm * t_stride;
+      const uint32_t lo = BF16(tm[j]).x, hi = j + 1 < rank ? BF16(tm[j + 1]).x : 0u;
+      const __m512bh tj = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | (hi << 16)));
+      for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = _mm512_dpbf16_ps(acc[mm][v], tj, bv[v]);
+    }
+  }
+  for (int mm = 0; mm < TM; ++mm) {
+    for (int v = 0; v < kExpandVecs && lanes[v] > 0; ++v) {
+      BF16* dst = outs[mm] + v * vec::kLanes;
+      vec::store(dst, vec::add(vec::load(dst, lanes[v]), Vec{acc[mm][v]}), lanes[v]);
+    }
+  }
+}
+#endif  // TOKENMILL_LORA_BF16
+
 template <int N>
 using Rows = std::integral_constant<int, N>;
 
@@ -117,11 +191,12 @@ void for_row_tiles(int64_t n, Fn&& fn) {
 // One work item: rows `members[0 .. n)` (n <= kChunkRows) of one slot. The shrink fills `shrunk`
 // [n, P * rank] a tile of rows at a time; the expand walks the output a block of columns at a time
 // and applies it to every row of the item, so the block of Bt stays in L1 across the rows.
-template <typename T>
-void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const float* a_slot, const float* bt_slot,
+template <typename T, typename W>
+void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const W* a_slot, const W* bt_slot,
                int64_t rank, int64_t num_pieces, const int64_t* offsets, int64_t in_features, int64_t out_features,
                float* shrunk) {
   constexpr int64_t kBlock = kExpandVecs * vec::kLanes;
+  constexpr int64_t kPack = std::is_same_v<W, float> ? 1 : 2;  // bfloat16 Bt: rank pairs interleaved
   const int64_t width = num_pieces * rank;
   const T* rows[kChunkRows];
   T* outs[kChunkRows];
@@ -139,14 +214,14 @@ void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const floa
         lanes[v] = static_cast<int>(std::clamp<int64_t>(hi - o - v * vec::kLanes, 0, vec::kLanes));
       for (int64_t m = 0; m < n; ++m) block_outs[m] = outs[m] + o;
       for_row_tiles(n, [&](auto tile, int64_t m) {
-        expand_block<decltype(tile)::value>(block_outs + m, shrunk + m * width + p * rank, width, bt_slot + o, rank, out_features, lanes);
+        expand_block<decltype(tile)::value>(block_outs + m, shrunk + m * width + p * rank, width, bt_slot + o * kPack, rank, out_features, lanes);
       });
     }
   }
 }
 
-template <typename T>
-void lora_rows(T* out, const T* x, const float* a, const float* bt, const int64_t* ranks, const int64_t* row_slots,
+template <typename T, typename W>
+void lora_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* ranks, const int64_t* row_slots,
                const int64_t* offsets, int64_t num_pieces, int64_t rows, int64_t num_slots, int64_t in_features,
                int64_t out_features, int64_t a_slot_rows, int64_t max_rank) {
   std::vector<std::vector<int64_t>> rows_of(num_slots);
@@ -185,8 +260,9 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "lora_shrink_expand: tensors must be contiguous");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_shrink_expand: x [rows, in], out [rows, out]");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "lora_shrink_expand: x and out must share a dtype");
-  TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_bt.scalar_type() == at::kFloat,
-              "lora_shrink_expand: lora_a and lora_bt are float32");
+  TORCH_CHECK(lora_a.scalar_type() == lora_bt.scalar_type() &&
+                  (lora_a.scalar_type() == at::kFloat || lora_a.scalar_type() == at::kBFloat16),
+              "lora_shrink_expand: lora_a and lora_bt are both float32 or both bfloat16");
   TORCH_CHECK(ranks.scalar_type() == at::kLong && row_slots.scalar_type() == at::kLong &&
                   piece_offsets.scalar_type() == at::kLong,
               "lora_shrink_expand: ranks, row_slots and piece_offsets are int64");
@@ -196,19 +272,44 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "lora_shrink_expand: shapes do not match");
   TORCH_CHECK(lora_a.size(1) >= num_pieces * max_rank && ranks.size(0) == lora_a.size(0),
               "lora_shrink_expand: lora_a must hold P * max_rank rows per slot");
+  const int64_t* rank_ptr = ranks.data_ptr<int64_t>();
+  const int64_t* slot_ptr = row_slots.data_ptr<int64_t>();
+  const int64_t* offset_ptr = piece_offsets.data_ptr<int64_t>();
+  const int64_t num_slots = lora_a.size(0), a_slot_rows = lora_a.size(1);
+  if (lora_a.scalar_type() == at::kBFloat16) {
+#ifdef TOKENMILL_LORA_BF16
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_shrink_expand: bfloat16 slots need bfloat16 activations");
+    TORCH_CHECK(max_rank % 2 == 0, "lora_shrink_expand: bfloat16 slots hold an even number of rank rows");
+    lora_rows<c10::BFloat16, c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                            lora_a.data_ptr<c10::BFloat16>(), lora_bt.data_ptr<c10::BFloat16>(),
+                                            rank_ptr, slot_ptr, offset_ptr, num_pieces, rows, num_slots, in_features,
+                                            out_features, a_slot_rows, max_rank);
+    return;
+#else
+    TORCH_CHECK(false, "lora_shrink_expand: bfloat16 slots need AVX512-BF16 (bf16_slots_available)");
+#endif
+  }
   const float* a = lora_a.data_ptr<float>();
   const float* bt = lora_bt.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) {
-    lora_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), a, bt, ranks.data_ptr<int64_t>(),
-                     row_slots.data_ptr<int64_t>(), piece_offsets.data_ptr<int64_t>(), num_pieces, rows,
-                     lora_a.size(0), in_features, out_features, lora_a.size(1), max_rank);
+    lora_rows<float, float>(out.data_ptr<float>(), x.data_ptr<float>(), a, bt, rank_ptr, slot_ptr, offset_ptr,
+                            num_pieces, rows, num_slots, in_features, out_features, a_slot_rows, max_rank);
   } else if (x.scalar_type() == at::kBFloat16) {
-    lora_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), a, bt,
-                             ranks.data_ptr<int64_t>(), row_slots.data_ptr<int64_t>(), piece_offsets.data_ptr<int64_t>(),
-                             num_pieces, rows, lora_a.size(0), in_features, out_features, lora_a.size(1), max_rank);
+    lora_rows<c10::BFloat16, float>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), a, bt, rank_ptr,
+                                    slot_ptr, offset_ptr, num_pieces, rows, num_slots, in_features, out_features,
+                                    a_slot_rows, max_rank);
   } else {
     TORCH_CHECK(false, "lora_shrink_expand: float32 or bfloat16 activations only");
   }
+}
+
+// Whether this build has the bfloat16-slot path (AVX512-BF16; not under TOKENMILL_CPU_ISA=avx512/avx2).
+bool bf16_slots_available() {
+#ifdef TOKENMILL_LORA_BF16
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -218,6 +319,12 @@ TORCH_LIBRARY(TOKENMILL_LORA_LIBRARY, m) {
   m.def(
       "lora_shrink_expand(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_bt, Tensor ranks, Tensor row_slots, "
       "Tensor piece_offsets) -> ()");
+  m.def("bf16_slots_available() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CPU, m) { m.impl("lora_shrink_expand", &tokenmill_lora::lora_shrink_expand); }
+TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CPU, m) { 
+  m.impl("lora_shrink_expand", &tokenmill_lora::lora_shrink_expand);
+}
+TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CompositeExplicitAutograd, m) {
+  m.impl("bf16_slots_available", &tokenmill_lora::bf16_slots_available);
+}

@@ -7,7 +7,10 @@ continuation, with logprobs close.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,7 +154,7 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
     within bfloat16 rounding. ``avx2``: the kernel built without AVX-512 (the code other x86 CPUs
     run, float32 slots), compared on this one."""
     from tokenmill.layers import lora_kernel
-    from tokenmill.layers.cpu_isa import cpu_flags
+    from tokenmill.layers.cpu_isa import cpu_isa
     from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
     from tokenmill.layers.lora import LoRABatch, LoRALinear, LoRAStepState, lora_delta_reference
 
@@ -163,8 +166,9 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
         kwargs["library"] = "tokenmill_lora_avx2"
         assert not lora_kernel.bf16_slots_available("tokenmill_lora_avx2")
         slot_dtype = torch.float32
-    elif dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags():
-        assert slot_dtype == torch.bfloat16  # the fast path is taken where the CPU has it
+    else:  # bfloat16 slots exactly where the path has vdpbf16ps (not under TOKENMILL_CPU_ISA=avx2)
+        fast_path = dtype == torch.bfloat16 and cpu_isa() in ("amx", "avx512_bf16")
+        assert slot_dtype == (torch.bfloat16 if fast_path else torch.float32)
     small = [(0, 3), (-1, 2), (2, 4), (0, 1), (3, 5), (1, 2)]
     large = [(1, 37), (0, 70), (-1, 5), (3, 3), (1, 2), (2, 6)]
     torch.manual_seed(0)
@@ -212,6 +216,22 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
                     assert torch.equal(fast[row], base_out[row]) and torch.equal(ref[row], base_out[row])
                 else:
                     assert not torch.equal(fast[row], base_out[row])
+
+
+def test_kernel_under_cpu_isa_avx2() -> None:
+    """``TOKENMILL_CPU_ISA=avx2`` (what an AVX2-only CPU runs): the kernel is built without AVX-512,
+    a bfloat16 model gets float32 slots, and the kernel test above passes in that process."""
+    env = {**os.environ, "TOKENMILL_CPU_ISA": "avx2"}
+    test = f"{__file__}::test_kernel_and_reference_agree"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "native"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 passed" in done.stdout
 
 
 def test_bf16_slots_pack_rank_pairs() -> None:

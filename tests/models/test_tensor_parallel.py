@@ -351,11 +351,14 @@ def test_lora_adapters_over_two_ranks_equal_peft(llama: TinyModel, tmp_path) -> 
         for prompt, c, output in zip(batch, choice, outputs):
             want = llama.greedy(prompt, NUM_NEW) if c is None else adapters[c].greedy(prompt, NUM_NEW)
             assert output.outputs[0].token_ids == want, (c, prompt)
-        assert sum(
-            output.outputs[0].token_ids != llama.greedy(prompt, NUM_NEW)
-            for prompt, c, output in zip(batch, choice, outputs)
-            if c is not None
-        ) >= 2, "the adapters should change outputs"
+        assert (
+            sum(
+                output.outputs[0].token_ids != llama.greedy(prompt, NUM_NEW)
+                for prompt, c, output in zip(batch, choice, outputs)
+                if c is not None
+            )
+            >= 2
+        ), "the adapters should change outputs"
         assert llm.engine.kv_manager.all_free_or_cached()
     finally:
         shut(llm)

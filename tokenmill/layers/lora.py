@@ -139,7 +139,9 @@ class LoRALinear(nn.Module):
         # float32 (or bfloat16 with the vdpbf16ps kernel) whatever the base's dtype or quantization:
         # the kernel accumulates in float32 and the delta is rounded once, when added to the output.
         slot_rank = max_rank + max_rank % 2 if slot_dtype == torch.bfloat16 else max_rank
-        self.lora_a = torch.zeros(max_loras, num_pieces * slot_rank, self.in_features, dtype=slot_dtype, device=device)
+        self.lora_a = torch.zeros(
+            max_loras, num_pieces * slot_rank, self.in_features, dtype=slot_dtype, device=device
+        )
         self.lora_bt = torch.zeros(max_loras, slot_rank, self.out_features, dtype=slot_dtype, device=device)
         self.ranks = [0] * max_loras
         self.ranks_tensor = torch.zeros(max_loras, dtype=torch.long, device=device)
@@ -162,7 +164,9 @@ class LoRALinear(nn.Module):
     def shard_a(self, a: torch.Tensor, label: str) -> torch.Tensor:
         """This rank's part of a checkpoint ``lora_A`` ``[r, in]``: a row-parallel layer's columns of
         its input features, else the whole; ValueError (naming ``label``) for a wrong width."""
-        first, count = self.base.features if isinstance(self.base, RowParallelLinear) else (0, self.in_features)
+        first, count = (
+            self.base.features if isinstance(self.base, RowParallelLinear) else (0, self.in_features)
+        )
         whole = not (isinstance(self.base, RowParallelLinear) and self.base.tp.size > 1)
         if (whole and a.shape[1] != self.in_features) or a.shape[1] < first + count:
             raise ValueError(f"{label} lora_A has {a.shape[1]} inputs, the base layer {self.in_features}")

@@ -111,9 +111,13 @@ def lora_delta(
     ``layers/lora.lora_delta_reference``; float32 accumulation, one rounding per output). bfloat16
     slots (``LoRALinear``'s layout for them) need bfloat16 ``x`` and ``bf16_slots_available``. Builds the
     kernel on first use; RuntimeError when it cannot. ``library``: a ``build_variant`` instead."""
+    _op(library)(out, x.contiguous(), lora_a, lora_bt, ranks, row_slots, piece_offsets)
+
+
+@functools.cache
+def _op(library: str):  # type: ignore[no-untyped-def]
+    """The op of ``library``, looked up once (a step calls it for every wrapped projection)."""
     error = load_error() if library == LIBRARY else None
     if error is not None:
         raise RuntimeError(f"the LoRA CPU kernel is unavailable: {error}")
-    getattr(torch.ops, library).lora_shrink_expand(
-        out, x.contiguous(), lora_a, lora_bt, ranks, row_slots, piece_offsets
-    )
+    return getattr(torch.ops, library).lora_shrink_expand

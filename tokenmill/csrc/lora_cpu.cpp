@@ -5,10 +5,10 @@
 //   out_i[o] += sum_j t[p*r + j] * Bt[s][j][o] for o in piece p's columns   (expand)
 // accumulated in float32 and added to out_i once (one rounding in bfloat16). A and Bt are float32,
 // or, for bfloat16 activations on CPUs with AVX512-BF16 (TOKENMILL_LORA_BF16), bfloat16: the shrink
-// is then vdpbf16ps dot products of x and A (exact products, float32 sums), and the expand keeps Bt
-// with rank pairs interleaved ([R / 2][out][2]: lanes 2o, 2o + 1 are ranks 2j, 2j + 1 of output o)
-// so one vdpbf16ps adds two ranks' terms to 16 outputs, t rounded to bfloat16 (as a bfloat16
-// model's x A would be). Half the bytes of float32 slots: the adapters' weights are what a step reads.
+// is then vdpbf16ps dot products of x and A (32 exact products per instruction, float32 sums), and
+// the expand widens Bt's rows as it reads them and keeps t in float32 (rounding t to bfloat16 for
+// vdpbf16ps there cost a measurable share of the delta's accuracy, for few instructions saved).
+// Half the bytes of float32 slots: the adapters' weights are what a step reads.
 //
 // Rows are grouped by slot and taken in chunks of up to kChunkRows (the work items threads share).
 // Inside a chunk both products are register-tiled over the 16-lane vectors of vec16.h (AVX-512, or
@@ -85,14 +85,14 @@ void shrink_tile(const T* const* rows, const float* a_slot, int64_t width, int64
 
 // out_m[o .. o + kBlock) += sum_j t_m[j] * Bt[j][o ..] for TM rows (lanes[v]: the valid lanes of
 // output vector v; 0 past the piece's end).
-template <int TM, typename T>
-void expand_block(T* const* outs, const float* t, int64_t t_stride, const float* bt_block, int64_t rank,
+template <int TM, typename T, typename W>
+void expand_block(T* const* outs, const float* t, int64_t t_stride, const W* bt_block, int64_t rank,
                   int64_t out_features, const int* lanes) {
   Vec acc[TM][kExpandVecs];
   for (int mm = 0; mm < TM; ++mm)
     for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = vec::zero();
   for (int64_t j = 0; j < rank; ++j) {
-    const float* b_row = bt_block + j * out_features;
+    const W* b_row = bt_block + j * out_features;  // bfloat16 rows are widened as they are read
     Vec bv[kExpandVecs];
     for (int v = 0; v < kExpandVecs; ++v) bv[v] = vec::load(b_row + v * vec::kLanes, lanes[v]);
     for (int mm = 0; mm < TM; ++mm) {
@@ -110,10 +110,10 @@ void expand_block(T* const* outs, const float* t, int64_t t_stride, const float*
 
 #ifdef TOKENMILL_LORA_BF16
 using BF16 = c10::BFloat16;
-constexpr int64_t kPairLanes = 2 * vec::kLanes;  // bfloat16 values in one vdpbf16ps operand
+constexpr int64_t kBf16Lanes = 2 * vec::kLanes;  // bfloat16 values in one vdpbf16ps operand (32)
 
-inline __mmask32 half_mask(int64_t n) { return n >= kPairLanes ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1u); }
-inline __m512bh load_pairs(const BF16* p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(half_mask(n), p); }
+inline __mmask32 bf16_mask(int64_t n) { return n >= kBf16Lanes ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1u); }
+inline __m512bh load_bf16x32(const BF16* p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(bf16_mask(n), p); }
 
 // The shrink of shrink_tile with bfloat16 x and A: 32 products per vdpbf16ps, float32 sums.
 template <int TM>
@@ -126,12 +126,12 @@ void shrink_tile(const BF16* const* rows, const BF16* a_slot, int64_t width, int
     __m512 acc[TM][kTileRanks];
     for (int mm = 0; mm < TM; ++mm)
       for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < in_features; d += kPairLanes) {
-      const int64_t n = std::min<int64_t>(kPairLanes, in_features - d);
+    for (int64_t d = 0; d < in_features; d += kBf16Lanes) {
+      const int64_t n = std::min<int64_t>(kBf16Lanes, in_features - d);
       __m512bh av[kTileRanks];
-      for (int kk = 0; kk < kTileRanks; ++kk) av[kk] = load_pairs(a_rows[kk] + d, n);
+      for (int kk = 0; kk < kTileRanks; ++kk) av[kk] = load_bf16x32(a_rows[kk] + d, n);
       for (int mm = 0; mm < TM; ++mm) {
-        const __m512bh xv = load_pairs(rows[mm] + d, n);
+        const __m512bh xv = load_bf16x32(rows[mm] + d, n);
         for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = _mm512_dpbf16_ps(acc[mm][kk], av[kk], xv);
       }
     }
@@ -144,33 +144,6 @@ void shrink_tile(const BF16* const* rows, const BF16* a_slot, int64_t width, int
   }
 }
 
-// The expand of expand_block over rank-pair-interleaved bfloat16 Bt (bt_block: pair row 0 at this
-// block's first output): each vdpbf16ps adds ranks 2j and 2j + 1 to 16 outputs. An odd rank's last
-// pair takes 0 for the missing rank's t.
-template <int TM>
-void expand_block(BF16* const* outs, const float* t, int64_t t_stride, const BF16* bt_block, int64_t rank,
-                  int64_t out_features, const int* lanes) {
-  __m512 acc[TM][kExpandVecs];
-  for (int mm = 0; mm < TM; ++mm)
-    for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < rank; j += 2) {
-    const BF16* b_row = bt_block + j * out_features;  // pair row j / 2: [out][2]
-    __m512bh bv[kExpandVecs];
-    for (int v = 0; v < kExpandVecs; ++v) bv[v] = load_pairs(b_row + v * kPairLanes, 2 * lanes[v]);
-    for (int mm = 0; mm < TM; ++mm) {
-      const float* tm = t + mm * t_stride;
-      const uint32_t lo = BF16(tm[j]).x, hi = j + 1 < rank ? BF16(tm[j + 1]).x : 0u;
-      const __m512bh tj = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | (hi << 16)));
-      for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = _mm512_dpbf16_ps(acc[mm][v], tj, bv[v]);
-    }
-  }
-  for (int mm = 0; mm < TM; ++mm) {
-    for (int v = 0; v < kExpandVecs && lanes[v] > 0; ++v) {
-      BF16* dst = outs[mm] + v * vec::kLanes;
-      vec::store(dst, vec::add(vec::load(dst, lanes[v]), Vec{acc[mm][v]}), lanes[v]);
-    }
-  }
-}
 #endif  // TOKENMILL_LORA_BF16
 
 template <int N>
@@ -196,7 +169,6 @@ void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const W* a
                int64_t rank, int64_t num_pieces, const int64_t* offsets, int64_t in_features, int64_t out_features,
                float* shrunk) {
   constexpr int64_t kBlock = kExpandVecs * vec::kLanes;
-  constexpr int64_t kPack = std::is_same_v<W, float> ? 1 : 2;  // bfloat16 Bt: rank pairs interleaved
   const int64_t width = num_pieces * rank;
   const T* rows[kChunkRows];
   T* outs[kChunkRows];
@@ -214,7 +186,7 @@ void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const W* a
         lanes[v] = static_cast<int>(std::clamp<int64_t>(hi - o - v * vec::kLanes, 0, vec::kLanes));
       for (int64_t m = 0; m < n; ++m) block_outs[m] = outs[m] + o;
       for_row_tiles(n, [&](auto tile, int64_t m) {
-        expand_block<decltype(tile)::value>(block_outs + m, shrunk + m * width + p * rank, width, bt_slot + o * kPack, rank, out_features, lanes);
+        expand_block<decltype(tile)::value>(block_outs + m, shrunk + m * width + p * rank, width, bt_slot + o, rank, out_features, lanes);
       });
     }
   }
@@ -279,7 +251,6 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   if (lora_a.scalar_type() == at::kBFloat16) {
 #ifdef TOKENMILL_LORA_BF16
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_shrink_expand: bfloat16 slots need bfloat16 activations");
-    TORCH_CHECK(max_rank % 2 == 0, "lora_shrink_expand: bfloat16 slots hold an even number of rank rows");
     lora_rows<c10::BFloat16, c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
                                             lora_a.data_ptr<c10::BFloat16>(), lora_bt.data_ptr<c10::BFloat16>(),
                                             rank_ptr, slot_ptr, offset_ptr, num_pieces, rows, num_slots, in_features,

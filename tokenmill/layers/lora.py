@@ -19,10 +19,9 @@ a plain layer), ``R`` the largest rank and ``L`` slots:
 - ``ranks[slot]``: the slot's rank in this layer (0: the adapter does not touch it).
 
 The slots are float32, or bfloat16 for a bfloat16 model on a CPU with AVX512-BF16
-(``lora_kernel.slot_dtype``): half the bytes a step reads, ``vdpbf16ps`` products. bfloat16
-``lora_bt`` keeps rank pairs interleaved (``R`` rounded up to even; its memory is
-``[R / 2, out, 2]``), the layout the kernel's expand reads; ``pack`` lays an adapter out so, once,
-when it is read (the CPU cache holds it packed: a swap-in is a copy).
+(``lora_kernel.slot_dtype``): half the bytes a step reads, ``vdpbf16ps`` products in the shrink.
+``pack`` converts an adapter once, when it is read (the CPU cache holds it in the slots' dtype: a
+swap-in is a copy).
 
 Under tensor parallelism the deltas are sharded like their base layers: a column-parallel layer
 keeps its rows of ``B`` (``A`` whole), a row-parallel layer its columns of ``A`` (``B`` whole), and
@@ -138,11 +137,10 @@ class LoRALinear(nn.Module):
         num_pieces = len(self.pieces)
         # float32 (or bfloat16 with the vdpbf16ps kernel) whatever the base's dtype or quantization:
         # the kernel accumulates in float32 and the delta is rounded once, when added to the output.
-        slot_rank = max_rank + max_rank % 2 if slot_dtype == torch.bfloat16 else max_rank
         self.lora_a = torch.zeros(
-            max_loras, num_pieces * slot_rank, self.in_features, dtype=slot_dtype, device=device
+            max_loras, num_pieces * max_rank, self.in_features, dtype=slot_dtype, device=device
         )
-        self.lora_bt = torch.zeros(max_loras, slot_rank, self.out_features, dtype=slot_dtype, device=device)
+        self.lora_bt = torch.zeros(max_loras, max_rank, self.out_features, dtype=slot_dtype, device=device)
         self.ranks = [0] * max_loras
         self.ranks_tensor = torch.zeros(max_loras, dtype=torch.long, device=device)
         offsets = [offset for _, offset, _ in self.pieces] + [self.out_features]
@@ -188,16 +186,9 @@ class LoRALinear(nn.Module):
         return b[first : first + count]
 
     def pack(self, a: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``a`` ``[P * rank, in]`` and ``bt`` ``[rank, out]`` in the slots' dtype and layout
-        (bfloat16: ``bt``'s rank pairs interleaved, rank padded to even with zeros), for ``set_slot``."""
-        if self.lora_a.dtype == torch.float32:
-            return a.contiguous(), bt.contiguous()
-        rank = bt.shape[0]
-        even = rank + rank % 2
-        padded = torch.zeros(even, self.out_features)
-        padded[:rank] = bt
-        pairs = padded.view(even // 2, 2, self.out_features).transpose(1, 2)  # [even / 2, out, 2]
-        return a.to(torch.bfloat16).contiguous(), pairs.to(torch.bfloat16).reshape(even, self.out_features)
+        """float32 ``a`` ``[P * rank, in]`` and ``bt`` ``[rank, out]`` in the slots' dtype, for
+        ``set_slot`` (done once, when an adapter is read: the CPU cache holds the packed copy)."""
+        return a.to(self.lora_a.dtype).contiguous(), bt.to(self.lora_a.dtype).contiguous()
 
     def set_slot(self, slot: int, rank: int, a: torch.Tensor | None, bt: torch.Tensor | None) -> None:
         """Fill ``slot`` with ``pack``'s ``a`` and ``bt`` (scaling folded in), or rank 0 (the adapter

@@ -101,7 +101,7 @@ def lora_delta(
     out: torch.Tensor,  # [num_tokens, out_features], updated in place
     x: torch.Tensor,  # [num_tokens, in_features]
     lora_a: torch.Tensor,  # [slots, P * R, in_features] float32 or bfloat16
-    lora_bt: torch.Tensor,  # [slots, R, out_features] float32, or bfloat16 pair-interleaved
+    lora_bt: torch.Tensor,  # [slots, R, out_features] lora_a's dtype
     ranks: torch.Tensor,  # [slots] int64
     row_slots: torch.Tensor,  # [num_tokens] int64, -1: no adapter
     piece_offsets: torch.Tensor,  # [P + 1] int64
@@ -109,7 +109,7 @@ def lora_delta(
 ) -> None:
     """Add each row's adapter delta to ``out`` in one call (the contract of
     ``layers/lora.lora_delta_reference``; float32 accumulation, one rounding per output). bfloat16
-    slots (``LoRALinear``'s layout for them) need bfloat16 ``x`` and ``bf16_slots_available``. Builds the
+    slots need bfloat16 ``x`` and ``bf16_slots_available``. Builds the
     kernel on first use; RuntimeError when it cannot. ``library``: a ``build_variant`` instead."""
     _op(library)(out, x.contiguous(), lora_a, lora_bt, ranks, row_slots, piece_offsets)
 

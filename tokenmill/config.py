@@ -564,7 +564,6 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         refused = {
-            "LoRA": self.lora.enable_lora,
             "speculative decoding": self.speculative_config is not None,
             "deterministic mode": self.deterministic,
             "the transformers model implementation": self.model.model_impl == "transformers",

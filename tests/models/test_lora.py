@@ -7,7 +7,10 @@ continuation, with logprobs close.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -143,20 +146,29 @@ def test_prefix_cache_is_namespaced_by_adapter(setup) -> None:  # type: ignore[n
 @pytest.mark.parametrize("library", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
-    """The C++ segmented kernel and the torch reference give the same deltas, rows of several slots
-    (one of rank 0 in this layer) and of the base mixed in one batch, on a merged and a plain layer;
-    a small batch and one whose slots span several row chunks and tiles, with feature counts that
-    are no multiple of the vector width. ``avx2``: the kernel built without AVX-512 (the code other
-    x86 CPUs run), compared on this one."""
+    """The C++ segmented kernel and the torch reference (float32 slots) give the same deltas, rows of
+    several slots (one of rank 0 in this layer, odd ranks) and of the base mixed in one batch,
+    on a merged and a plain layer; a small batch and one whose slots span several row chunks and
+    tiles, with feature counts that are no multiple of the vector width. bfloat16 activations on a
+    CPU with AVX512-BF16 use bfloat16 slots (``vdpbf16ps``), checked against the float32 reference
+    within bfloat16 rounding. ``avx2``: the kernel built without AVX-512 (the code other x86 CPUs
+    run, float32 slots), compared on this one."""
     from tokenmill.layers import lora_kernel
+    from tokenmill.layers.cpu_isa import cpu_isa
     from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
     from tokenmill.layers.lora import LoRABatch, LoRALinear, LoRAStepState, lora_delta_reference
 
     assert lora_kernel.load_error() is None, lora_kernel.load_error()
     kwargs = {}
+    slot_dtype = lora_kernel.slot_dtype(dtype, torch.device("cpu"))
     if library == "avx2":
         assert lora_kernel.build_variant("tokenmill_lora_avx2", ("-mno-avx512f",)) is None
         kwargs["library"] = "tokenmill_lora_avx2"
+        assert not lora_kernel.bf16_slots_available("tokenmill_lora_avx2")
+        slot_dtype = torch.float32
+    else:  # bfloat16 slots exactly where the path has vdpbf16ps (not under TOKENMILL_CPU_ISA=avx2)
+        fast_path = dtype == torch.bfloat16 and cpu_isa() in ("amx", "avx512_bf16")
+        assert slot_dtype == (torch.bfloat16 if fast_path else torch.float32)
     small = [(0, 3), (-1, 2), (2, 4), (0, 1), (3, 5), (1, 2)]
     large = [(1, 37), (0, 70), (-1, 5), (3, 3), (1, 2), (2, 6)]
     torch.manual_seed(0)
@@ -166,19 +178,22 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
         bases = [
             MergedColumnLinear(64, {"q": 64, "k": 32, "v": 32}, dtype=dtype),
             MergedColumnLinear(72, {"gate": 40, "up": 24}, dtype=dtype),
-            RowParallelLinear(128, 70, dtype=dtype),
+            RowParallelLinear(130, 70, dtype=dtype),
         ]
         for base in bases:
-            layer = LoRALinear(base, LoRAStepState(), max_loras=4, max_rank=16)
-            for slot, rank in enumerate((4, 16, 0, 5)):
-                a = torch.randn(len(layer.pieces) * rank, layer.in_features).to(dtype)
-                bt = torch.randn(rank, layer.out_features).to(dtype)
-                layer.set_slot(slot, rank, a, bt)
+            reference = LoRALinear(base, LoRAStepState(), max_loras=4, max_rank=15)
+            layer = LoRALinear(base, LoRAStepState(), max_loras=4, max_rank=15, slot_dtype=slot_dtype)
+            for slot, rank in enumerate((4, 15, 0, 5)):
+                a = torch.randn(len(layer.pieces) * rank, layer.in_features).to(dtype).float()
+                bt = torch.randn(rank, layer.out_features).to(dtype).float()
+                reference.set_slot(slot, rank, *reference.pack(a, bt))
+                layer.set_slot(slot, rank, *layer.pack(a, bt))
+            assert layer.lora_a.dtype == slot_dtype
             x = torch.randn(batch.num_tokens, layer.in_features).to(dtype)
             base_out = torch.randn(batch.num_tokens, layer.out_features).to(dtype)
             ref, fast = base_out.clone(), base_out.clone()
             lora_delta_reference(
-                ref, x, layer.lora_a, layer.lora_bt, layer.ranks, batch.segments, layer.pieces
+                ref, x, reference.lora_a, reference.lora_bt, reference.ranks, batch.segments, layer.pieces
             )
             lora_kernel.lora_delta(
                 fast,
@@ -190,14 +205,46 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
                 layer.piece_offsets,
                 **kwargs,
             )
-            tol = 1e-4 if dtype == torch.float32 else 0.1
-            torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=tol)
+            if dtype == torch.float32:
+                torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+            else:  # bfloat16 outputs: each rounded once, from sums taken in different orders
+                scale = ref.float().abs().amax(dim=1, keepdim=True)  # [num_tokens, 1]
+                assert ((fast.float() - ref.float()).abs() <= 0.01 * scale + 1e-2).all()
             rows_of = [slot for slot, count in plan for _ in range(count)]
             for row, slot in enumerate(rows_of):
                 if slot in (-1, 2):  # the base, and slot 2 (rank 0 here): untouched
                     assert torch.equal(fast[row], base_out[row]) and torch.equal(ref[row], base_out[row])
                 else:
                     assert not torch.equal(fast[row], base_out[row])
+
+
+def test_kernel_under_cpu_isa_avx2() -> None:
+    """``TOKENMILL_CPU_ISA=avx2`` (what an AVX2-only CPU runs): the kernel is built without AVX-512,
+    a bfloat16 model gets float32 slots, and the kernel test above passes in that process."""
+    env = {**os.environ, "TOKENMILL_CPU_ISA": "avx2"}
+    test = f"{__file__}::test_kernel_and_reference_agree"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "native"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 passed" in done.stdout
+
+
+def test_bf16_slots_hold_the_packed_adapter() -> None:
+    """bfloat16 slots: ``pack`` converts once (the adapter's CPU copy), a swap-in copies it as is."""
+    from tokenmill.layers.linear import RowParallelLinear
+    from tokenmill.layers.lora import LoRALinear, LoRAStepState
+
+    layer = LoRALinear(RowParallelLinear(8, 4), LoRAStepState(), 2, 3, slot_dtype=torch.bfloat16)
+    bt = torch.arange(12, dtype=torch.float32).view(3, 4)  # [rank, out]
+    a, packed = layer.pack(torch.full((3, 8), 0.1), bt)
+    assert a.dtype == packed.dtype == torch.bfloat16 and torch.equal(packed.float(), bt)
+    layer.set_slot(1, 3, a, packed)
+    assert torch.equal(layer.lora_bt[1], packed) and torch.equal(layer.lora_a[1], a) and layer.ranks == [0, 3]
 
 
 def test_smollm2_adapters_match_peft(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -135,7 +135,9 @@ def test_unload_reload_and_preemption(engine, tiny_llama, adapter, tmp_path) -> 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_lora_beside_a_quantized_base(quantization: str) -> None:
-    """The delta is added in the activation dtype beside a quantized base layer's own product."""
+    """The delta is added in the activation dtype beside a quantized base layer's own product, from
+    float32 slots and (where the CPU has AVX512-BF16) bfloat16 ones."""
+    from tokenmill.layers import lora_kernel
     from tokenmill.layers.linear import RowParallelLinear
     from tokenmill.layers.lora import LoRABatch, LoRALinear, LoRAStepState
 
@@ -143,18 +145,19 @@ def test_lora_beside_a_quantized_base(quantization: str) -> None:
     base = RowParallelLinear(64, 32, dtype=torch.bfloat16)
     base.weight.data.copy_(torch.randn(32, 64).to(torch.bfloat16))
     assert base.quantize_weights(quantization) is None
-    state = LoRAStepState()
-    layer = LoRALinear(base, state, max_loras=2, max_rank=8)
     a, bt = torch.randn(8, 64).to(torch.bfloat16), torch.randn(8, 32).to(torch.bfloat16)
-    layer.set_slot(1, 8, a, bt)
     x = torch.randn(3, 64).to(torch.bfloat16)
     batch = LoRABatch.build([(1, 2), (-1, 1)], torch.device("cpu"))
-    with state.bound(batch):
-        out = layer(x)
     plain = base(x)
     expected = plain[:2].float() + (x[:2].float() @ a.float().T) @ bt.float()
-    torch.testing.assert_close(out[:2].float(), expected, rtol=0.02, atol=0.5)
-    assert torch.equal(out[2], plain[2])
+    for slot_dtype in {torch.float32, lora_kernel.slot_dtype(torch.bfloat16, torch.device("cpu"))}:
+        state = LoRAStepState()
+        layer = LoRALinear(base, state, max_loras=2, max_rank=8, slot_dtype=slot_dtype)
+        layer.set_slot(1, 8, *layer.pack(a.float(), bt.float()))
+        with state.bound(batch):
+            out = layer(x)
+        torch.testing.assert_close(out[:2].float(), expected, rtol=0.02, atol=0.5)
+        assert torch.equal(out[2], plain[2])
 
 
 def test_structured_output_under_lora(structured_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -223,3 +226,41 @@ def test_refused_combinations(tiny_llama) -> None:  # type: ignore[no-untyped-de
     llm = LLM(tiny_llama.path, dtype="float32", num_blocks=16)
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         llm.generate(["x"], greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, "/nowhere"))
+
+
+def test_bfloat16_model_with_bfloat16_slots_tracks_peft(tiny_llama, adapter) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 model keeps its slots in bfloat16 where the kernel has AVX512-BF16 (float32
+    elsewhere), and its prompt logprobs under the adapter follow PEFT's float32 reference within
+    the error bfloat16 gives the base model alone (float32 transformers), far closer than to the
+    base model's."""
+    from tokenmill.layers import lora_kernel
+
+    llm = LLM(
+        tiny_llama.path,
+        dtype="bfloat16",
+        block_size=4,
+        num_blocks=64,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    layers = llm.engine.executor.runner.lora.layers.values()
+    want = lora_kernel.slot_dtype(torch.bfloat16, torch.device("cpu"))
+    assert {layer.lora_a.dtype for layer in layers} == {want}
+    prompt = [11 + (7 * i) % 140 for i in range(40)]
+    (output,) = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        greedy(1, prompt_logprobs=1),
+        use_tqdm=False,
+        lora_request=LoRARequest("good", 1, adapter.path),
+    )
+    ours = torch.tensor([output.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    positions = torch.arange(len(prompt) - 1)
+    targets = torch.tensor(prompt[1:])
+    with_adapter = adapter.log_softmax(prompt)[positions, targets]  # [len - 1]
+    base = tiny_llama.log_softmax(prompt)[positions, targets]
+    error, gap = (ours - with_adapter).abs().mean().item(), (base - with_adapter).abs().mean().item()
+    (plain,) = llm.generate([{"prompt_token_ids": prompt}], greedy(1, prompt_logprobs=1), use_tqdm=False)
+    ours_base = torch.tensor([plain.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    base_error = (ours_base - base).abs().mean().item()
+    assert error < 0.2 * gap and error < 1.25 * base_error, (error, gap, base_error)

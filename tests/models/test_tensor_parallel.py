@@ -317,7 +317,6 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        ({"enable_lora": True}, "LoRA"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
         ({"deterministic": True}, "deterministic mode"),
         ({"model_impl": "transformers"}, "the transformers model implementation"),
@@ -329,6 +328,40 @@ def test_combinations_that_do_not_compose_yet_are_refused_by_name(
     config = build_engine_config("m", tensor_parallel_size=2, dtype="float32", **settings)
     with pytest.raises(ValueError, match=f"tensor parallelism .* cannot be combined with {named} yet"):
         config.validate()
+
+
+def test_lora_adapters_over_two_ranks_equal_peft(llama: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LoRA under TP: ``B`` of the column-parallel q/k/v and gate/up split by output rows, ``A`` of
+    the row-parallel o/down by input columns (its delta summed by the all-reduce). Two adapters and
+    the base in one batch give transformers + PEFT's greedy tokens, as the single process does."""
+    from tests.models.lora_adapters import make_adapter
+    from tokenmill.lora import LoRARequest
+
+    adapters = [
+        make_adapter(llama.hf, str(tmp_path / f"a{i}"), f"a{i}", seed=60 + i, rank=rank, scale=0.6)
+        for i, rank in enumerate((8, 5))
+    ]
+    prompts = tiny_prompts()[1:4]
+    batch = [prompt for prompt in prompts for _ in range(3)]
+    choice = [None, 0, 1] * len(prompts)
+    requests = [None if c is None else LoRARequest(adapters[c].name, c + 1, adapters[c].path) for c in choice]
+    llm = tp_llm(llama.path, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        outputs = llm.generate(as_inputs(batch), greedy(NUM_NEW), use_tqdm=False, lora_request=requests)
+        for prompt, c, output in zip(batch, choice, outputs):
+            want = llama.greedy(prompt, NUM_NEW) if c is None else adapters[c].greedy(prompt, NUM_NEW)
+            assert output.outputs[0].token_ids == want, (c, prompt)
+        assert (
+            sum(
+                output.outputs[0].token_ids != llama.greedy(prompt, NUM_NEW)
+                for prompt, c, output in zip(batch, choice, outputs)
+                if c is not None
+            )
+            >= 2
+        ), "the adapters should change outputs"
+        assert llm.engine.kv_manager.all_free_or_cached()
+    finally:
+        shut(llm)
 
 
 def test_the_cli_flags() -> None:

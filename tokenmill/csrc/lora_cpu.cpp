@@ -3,7 +3,12 @@
 // use. For row i of slot s (rank r; -1 or rank 0: nothing):
 //   t = A[s][0 .. P*r) . x_i                 (shrink: P*r dot products over the input features)
 //   out_i[o] += sum_j t[p*r + j] * Bt[s][j][o] for o in piece p's columns   (expand)
-// accumulated in float32 and added to out_i once (one rounding in bfloat16). A and Bt are float32.
+// accumulated in float32 and added to out_i once (one rounding in bfloat16). A and Bt are float32,
+// or, for bfloat16 activations on CPUs with AVX512-BF16 (TOKENMILL_LORA_BF16), bfloat16: the shrink
+// is then vdpbf16ps dot products of x and A (32 exact products per instruction, float32 sums), and
+// the expand widens Bt's rows as it reads them and keeps t in float32 (rounding t to bfloat16 for
+// vdpbf16ps there cost a measurable share of the delta's accuracy, for few instructions saved).
+// Half the bytes of float32 slots: the adapters' weights are what a step reads.
 //
 // Rows are grouped by slot and taken in chunks of up to kChunkRows (the work items threads share).
 // Inside a chunk both products are register-tiled over the 16-lane vectors of vec16.h (AVX-512, or
@@ -27,6 +32,10 @@
 // The op library's name; a test builds the AVX2 variant under another name beside the native one.
 #ifndef TOKENMILL_LORA_LIBRARY
 #define TOKENMILL_LORA_LIBRARY tokenmill_lora
+#endif
+
+#if defined(TOKENMILL_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_LORA_BF16 1
 #endif
 
 namespace tokenmill_lora {
@@ -76,14 +85,14 @@ void shrink_tile(const T* const* rows, const float* a_slot, int64_t width, int64
 
 // out_m[o .. o + kBlock) += sum_j t_m[j] * Bt[j][o ..] for TM rows (lanes[v]: the valid lanes of
 // output vector v; 0 past the piece's end).
-template <int TM, typename T>
-void expand_block(T* const* outs, const float* t, int64_t t_stride, const float* bt_block, int64_t rank,
+template <int TM, typename T, typename W>
+void expand_block(T* const* outs, const float* t, int64_t t_stride, const W* bt_block, int64_t rank,
                   int64_t out_features, const int* lanes) {
   Vec acc[TM][kExpandVecs];
   for (int mm = 0; mm < TM; ++mm)
     for (int v = 0; v < kExpandVecs; ++v) acc[mm][v] = vec::zero();
   for (int64_t j = 0; j < rank; ++j) {
-    const float* b_row = bt_block + j * out_features;
+    const W* b_row = bt_block + j * out_features;  // bfloat16 rows are widened as they are read
     Vec bv[kExpandVecs];
     for (int v = 0; v < kExpandVecs; ++v) bv[v] = vec::load(b_row + v * vec::kLanes, lanes[v]);
     for (int mm = 0; mm < TM; ++mm) {
@@ -98,6 +107,44 @@ void expand_block(T* const* outs, const float* t, int64_t t_stride, const float*
     }
   }
 }
+
+#ifdef TOKENMILL_LORA_BF16
+using BF16 = c10::BFloat16;
+constexpr int64_t kBf16Lanes = 2 * vec::kLanes;  // bfloat16 values in one vdpbf16ps operand (32)
+
+inline __mmask32 bf16_mask(int64_t n) { return n >= kBf16Lanes ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1u); }
+inline __m512bh load_bf16x32(const BF16* p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(bf16_mask(n), p); }
+
+// The shrink of shrink_tile with bfloat16 x and A: 32 products per vdpbf16ps, float32 sums.
+template <int TM>
+void shrink_tile(const BF16* const* rows, const BF16* a_slot, int64_t width, int64_t in_features, float* shrunk,
+                 int64_t shrunk_stride) {
+  alignas(64) float sums[vec::kLanes * vec::kLanes] = {};
+  for (int64_t k0 = 0; k0 < width; k0 += kTileRanks) {
+    const BF16* a_rows[kTileRanks];
+    for (int kk = 0; kk < kTileRanks; ++kk) a_rows[kk] = a_slot + (k0 + kk < width ? k0 + kk : k0) * in_features;
+    __m512 acc[TM][kTileRanks];
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < in_features; d += kBf16Lanes) {
+      const int64_t n = std::min<int64_t>(kBf16Lanes, in_features - d);
+      __m512bh av[kTileRanks];
+      for (int kk = 0; kk < kTileRanks; ++kk) av[kk] = load_bf16x32(a_rows[kk] + d, n);
+      for (int mm = 0; mm < TM; ++mm) {
+        const __m512bh xv = load_bf16x32(rows[mm] + d, n);
+        for (int kk = 0; kk < kTileRanks; ++kk) acc[mm][kk] = _mm512_dpbf16_ps(acc[mm][kk], av[kk], xv);
+      }
+    }
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks; ++kk) _mm512_store_ps(sums + (mm * kTileRanks + kk) * vec::kLanes, acc[mm][kk]);
+    alignas(64) float totals[vec::kLanes];
+    vec::store(totals, vec::reduce_rows(sums), vec::kLanes);
+    for (int mm = 0; mm < TM; ++mm)
+      for (int kk = 0; kk < kTileRanks && k0 + kk < width; ++kk) shrunk[mm * shrunk_stride + k0 + kk] = totals[mm * kTileRanks + kk];
+  }
+}
+
+#endif  // TOKENMILL_LORA_BF16
 
 template <int N>
 using Rows = std::integral_constant<int, N>;
@@ -117,8 +164,8 @@ void for_row_tiles(int64_t n, Fn&& fn) {
 // One work item: rows `members[0 .. n)` (n <= kChunkRows) of one slot. The shrink fills `shrunk`
 // [n, P * rank] a tile of rows at a time; the expand walks the output a block of columns at a time
 // and applies it to every row of the item, so the block of Bt stays in L1 across the rows.
-template <typename T>
-void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const float* a_slot, const float* bt_slot,
+template <typename T, typename W>
+void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const W* a_slot, const W* bt_slot,
                int64_t rank, int64_t num_pieces, const int64_t* offsets, int64_t in_features, int64_t out_features,
                float* shrunk) {
   constexpr int64_t kBlock = kExpandVecs * vec::kLanes;
@@ -145,8 +192,8 @@ void slot_rows(T* out, const T* x, const int64_t* members, int64_t n, const floa
   }
 }
 
-template <typename T>
-void lora_rows(T* out, const T* x, const float* a, const float* bt, const int64_t* ranks, const int64_t* row_slots,
+template <typename T, typename W>
+void lora_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* ranks, const int64_t* row_slots,
                const int64_t* offsets, int64_t num_pieces, int64_t rows, int64_t num_slots, int64_t in_features,
                int64_t out_features, int64_t a_slot_rows, int64_t max_rank) {
   std::vector<std::vector<int64_t>> rows_of(num_slots);
@@ -185,8 +232,9 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "lora_shrink_expand: tensors must be contiguous");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_shrink_expand: x [rows, in], out [rows, out]");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "lora_shrink_expand: x and out must share a dtype");
-  TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_bt.scalar_type() == at::kFloat,
-              "lora_shrink_expand: lora_a and lora_bt are float32");
+  TORCH_CHECK(lora_a.scalar_type() == lora_bt.scalar_type() &&
+                  (lora_a.scalar_type() == at::kFloat || lora_a.scalar_type() == at::kBFloat16),
+              "lora_shrink_expand: lora_a and lora_bt are both float32 or both bfloat16");
   TORCH_CHECK(ranks.scalar_type() == at::kLong && row_slots.scalar_type() == at::kLong &&
                   piece_offsets.scalar_type() == at::kLong,
               "lora_shrink_expand: ranks, row_slots and piece_offsets are int64");
@@ -196,19 +244,43 @@ void lora_shrink_expand(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "lora_shrink_expand: shapes do not match");
   TORCH_CHECK(lora_a.size(1) >= num_pieces * max_rank && ranks.size(0) == lora_a.size(0),
               "lora_shrink_expand: lora_a must hold P * max_rank rows per slot");
+  const int64_t* rank_ptr = ranks.data_ptr<int64_t>();
+  const int64_t* slot_ptr = row_slots.data_ptr<int64_t>();
+  const int64_t* offset_ptr = piece_offsets.data_ptr<int64_t>();
+  const int64_t num_slots = lora_a.size(0), a_slot_rows = lora_a.size(1);
+  if (lora_a.scalar_type() == at::kBFloat16) {
+#ifdef TOKENMILL_LORA_BF16
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_shrink_expand: bfloat16 slots need bfloat16 activations");
+    lora_rows<c10::BFloat16, c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                            lora_a.data_ptr<c10::BFloat16>(), lora_bt.data_ptr<c10::BFloat16>(),
+                                            rank_ptr, slot_ptr, offset_ptr, num_pieces, rows, num_slots, in_features,
+                                            out_features, a_slot_rows, max_rank);
+    return;
+#else
+    TORCH_CHECK(false, "lora_shrink_expand: bfloat16 slots need AVX512-BF16 (bf16_slots_available)");
+#endif
+  }
   const float* a = lora_a.data_ptr<float>();
   const float* bt = lora_bt.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) {
-    lora_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), a, bt, ranks.data_ptr<int64_t>(),
-                     row_slots.data_ptr<int64_t>(), piece_offsets.data_ptr<int64_t>(), num_pieces, rows,
-                     lora_a.size(0), in_features, out_features, lora_a.size(1), max_rank);
+    lora_rows<float, float>(out.data_ptr<float>(), x.data_ptr<float>(), a, bt, rank_ptr, slot_ptr, offset_ptr,
+                            num_pieces, rows, num_slots, in_features, out_features, a_slot_rows, max_rank);
   } else if (x.scalar_type() == at::kBFloat16) {
-    lora_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), a, bt,
-                             ranks.data_ptr<int64_t>(), row_slots.data_ptr<int64_t>(), piece_offsets.data_ptr<int64_t>(),
-                             num_pieces, rows, lora_a.size(0), in_features, out_features, lora_a.size(1), max_rank);
+    lora_rows<c10::BFloat16, float>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), a, bt, rank_ptr,
+                                    slot_ptr, offset_ptr, num_pieces, rows, num_slots, in_features, out_features,
+                                    a_slot_rows, max_rank);
   } else {
     TORCH_CHECK(false, "lora_shrink_expand: float32 or bfloat16 activations only");
   }
+}
+
+// Whether this build has the bfloat16-slot path (AVX512-BF16; not under TOKENMILL_CPU_ISA=avx512/avx2).
+bool bf16_slots_available() {
+#ifdef TOKENMILL_LORA_BF16
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -218,6 +290,12 @@ TORCH_LIBRARY(TOKENMILL_LORA_LIBRARY, m) {
   m.def(
       "lora_shrink_expand(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_bt, Tensor ranks, Tensor row_slots, "
       "Tensor piece_offsets) -> ()");
+  m.def("bf16_slots_available() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CPU, m) { m.impl("lora_shrink_expand", &tokenmill_lora::lora_shrink_expand); }
+TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CPU, m) { 
+  m.impl("lora_shrink_expand", &tokenmill_lora::lora_shrink_expand);
+}
+TORCH_LIBRARY_IMPL(TOKENMILL_LORA_LIBRARY, CompositeExplicitAutograd, m) {
+  m.impl("bf16_slots_available", &tokenmill_lora::bf16_slots_available);
+}

@@ -172,7 +172,16 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self._matmul(x, self.bias)
-        out = self.tp.all_reduce(self._matmul(x, None))  # [num_tokens, out_features]
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce and the bias (a LoRA delta of this
+        rank's input features is added to it: ``layers/lora.py``)."""
+        return self._matmul(x, None)  # [num_tokens, out_features]
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``partial`` outputs summed, plus the bias."""
+        out = self.tp.all_reduce(partial)  # [num_tokens, out_features]
         return out if self.bias is None else out + self.bias
 
 

@@ -49,7 +49,8 @@ _KEY = re.compile(
 @dataclass
 class LayerDelta:
     """One wrapped layer's share of an adapter: ``a`` ``[P * rank, in]``, ``bt`` ``[rank, out]``
-    (scaling folded in), in float32 (the wrapped layers keep their slots in float32)."""
+    (scaling folded in), already in the layer's slot dtype and layout (``LoRALinear.pack``: a
+    swap-in is a copy)."""
 
     rank: int
     a: torch.Tensor
@@ -177,19 +178,19 @@ def _layer_delta(
     layer: LoRALinear,
     pieces: dict[str | None, tuple[torch.Tensor, torch.Tensor, float]],
 ) -> LayerDelta:
-    """Lay one layer's pieces out as ``LoRALinear.set_slot`` takes them, checking their shapes."""
+    """Lay one layer's pieces out as ``LoRALinear.set_slot`` takes them (this rank's shard, in the
+    slots' dtype: ``LoRALinear.pack``), checking their shapes against the unsharded layer."""
+    full_pieces = layer.full_pieces()
     if None in pieces:  # a fused target: one A for every piece, B cut into the pieces' rows
         if len(pieces) > 1:
             raise ValueError(f"LoRA adapter {path!r} targets {name!r} both fused and by its parts")
         a, b, scaling = pieces[None]
-        fused: dict[str | None, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        if b.shape[0] != layer.out_features:
+        total = sum(size for _, _, size in full_pieces)
+        if b.shape[0] != total:
             raise ValueError(
-                f"LoRA adapter {path!r}: {name} lora_B has {b.shape[0]} outputs, the base layer {layer.out_features}"
+                f"LoRA adapter {path!r}: {name} lora_B has {b.shape[0]} outputs, the base layer {total}"
             )
-        for piece, offset, size in layer.pieces:
-            fused[piece] = (a, b[offset : offset + size], scaling)
-        pieces = fused
+        pieces = {piece: (a, b[offset : offset + size], scaling) for piece, offset, size in full_pieces}
     rank = max(a.shape[0] for a, _, _ in pieces.values())
     num = len(layer.pieces)
     a_out = torch.zeros(num * rank, layer.in_features, dtype=torch.float32)
@@ -198,16 +199,11 @@ def _layer_delta(
         if piece not in pieces:
             continue
         a, b, scaling = pieces[piece]
-        label = f"{name}" + (f" ({piece})" if piece else "")
-        if a.shape[1] != layer.in_features:
-            raise ValueError(
-                f"LoRA adapter {path!r}: {label} lora_A has {a.shape[1]} inputs, the base layer {layer.in_features}"
-            )
-        if b.shape[0] != size:
-            raise ValueError(
-                f"LoRA adapter {path!r}: {label} lora_B has {b.shape[0]} outputs, the base layer {size}"
-            )
+        label = f"LoRA adapter {path!r}: {name}" + (f" ({piece})" if piece else "")
+        a = layer.shard_a(a, label)  # [r, this rank's in]
+        b = layer.shard_b(piece, b, label)  # [this rank's size, r]
         r = a.shape[0]
         a_out[index * rank : index * rank + r] = a.float()
         bt_out[:r, offset : offset + size] = (b.float() * scaling).T
-    return LayerDelta(rank=rank, a=a_out, bt=bt_out)
+    a_slot, bt_slot = layer.pack(a_out, bt_out)
+    return LayerDelta(rank=rank, a=a_slot, bt=bt_slot)

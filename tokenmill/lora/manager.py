@@ -18,6 +18,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from tokenmill.layers import lora_kernel
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.lora import LoRABatch, LoRALinear, LoRAStepState
 from tokenmill.lora.adapter import LoRAAdapter, load_adapter
@@ -28,17 +29,19 @@ ADAPTED_LEAVES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def wrap_projections(
-    model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int
+    model: nn.Module, state: LoRAStepState, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, LoRALinear]:
     """Replace each adaptable projection of ``model`` by a ``LoRALinear`` around it; returns them by
-    module path. The fused CPU decoder stack, which calls the projections' weights from C++, is
-    turned off (``decode_stack``): it would leave the deltas out."""
+    module path. Slots are bfloat16 for a bfloat16 model where the CPU kernel has that path, else
+    float32 (``lora_kernel.slot_dtype``). The fused CPU decoder stack, which calls the projections'
+    weights from C++, is turned off (``decode_stack``): it would leave the deltas out."""
     wrapped: dict[str, LoRALinear] = {}
     for name, module in list(model.named_modules()):
         parent_name, _, leaf = name.rpartition(".")
         if leaf in ADAPTED_LEAVES and isinstance(module, LinearBase):
             parent = model.get_submodule(parent_name)
-            layer = LoRALinear(module, state, max_loras, max_rank)
+            slot_dtype = lora_kernel.slot_dtype(dtype, module.weight.device)
+            layer = LoRALinear(module, state, max_loras, max_rank, slot_dtype)
             setattr(parent, leaf, layer)
             wrapped[name] = layer
     if not wrapped:
@@ -55,7 +58,7 @@ class LoRAManager:
         self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype
     ) -> None:
         self.state = LoRAStepState()
-        self.layers = wrap_projections(model, self.state, max_loras, max_lora_rank)
+        self.layers = wrap_projections(model, self.state, max_loras, max_lora_rank, dtype)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras

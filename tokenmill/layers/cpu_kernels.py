@@ -122,6 +122,46 @@ def remove_stale_build_lock(folder: Path, max_age_s: float = STALE_BUILD_LOCK_SE
     return True
 
 
+def library_build_directory(prefix: str, paths: list[Path], extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cache folder ``<prefix>-<hash>`` of a kernel library of its own (``layers/lora_kernel.py``,
+    ``layers/recurrent_kernel.py``), keyed by its source ``paths``, the flags (``cflags`` plus
+    ``extra_flags``), torch and the CPU."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    for part in (" ".join((*cflags(), *extra_flags, *LDFLAGS)), torch.__version__, _cpu_flags()):
+        digest.update(part.encode())
+    return Path(extension_cache_dir()) / f"{prefix}-{digest.hexdigest()[:16]}"
+
+
+def build_library(
+    name: str, prefix: str, source: Path, headers: list[Path], extra_flags: tuple[str, ...]
+) -> str | None:
+    """Build (first time) and load the op library ``name`` from one C++ ``source`` (including
+    ``headers``) into ``library_build_directory(prefix, ...)``; None when loaded, else why not.
+
+    Never raises: a missing compiler or a bad build is returned, so the caller uses its torch
+    reference. Not cached here: callers cache per library (``functools.cache``)."""
+    try:
+        from torch.utils import cpp_extension
+
+        folder = library_build_directory(prefix, [source, *headers], extra_flags)
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_build_lock(folder)
+        cpp_extension.load(
+            name=name,
+            sources=stage_sources(folder, [source, *headers])[:1],
+            extra_cflags=[*cflags(), *extra_flags],
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a bad build: the caller's torch reference is used
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 @functools.cache
 def load_error() -> str | None:
     """Builds (first time) and loads the kernel; None when ``torch.ops.tokenmill`` has it, else why not.

@@ -13,14 +13,12 @@ builds the AVX2 code on an AVX-512 machine and compares)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
 
 import torch
 
-from tokenmill.config import extension_cache_dir
-from tokenmill.layers.cpu_kernels import LDFLAGS, _cpu_flags, cflags, remove_stale_build_lock, stage_sources
+from tokenmill.layers.cpu_kernels import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -31,35 +29,11 @@ NAME = "tokenmill_lora_cpu"
 LIBRARY = "tokenmill_lora"
 
 
-def _build_directory(extra_flags: tuple[str, ...]) -> Path:
-    digest = hashlib.sha256()
-    for path in (SOURCE, *HEADERS):
-        digest.update(path.read_bytes())
-    for part in (" ".join((*cflags(), *extra_flags, *LDFLAGS)), torch.__version__, _cpu_flags()):
-        digest.update(part.encode())
-    return Path(extension_cache_dir()) / f"lora_cpu-{digest.hexdigest()[:16]}"
-
-
 def _build(name: str, extra_flags: tuple[str, ...]) -> str | None:
-    try:
-        from torch.utils import cpp_extension
-
-        folder = _build_directory(extra_flags)
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_build_lock(folder)
-        cpp_extension.load(
-            name=name,
-            sources=stage_sources(folder, [SOURCE, *HEADERS])[:1],
-            extra_cflags=[*cflags(), *extra_flags],
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a bad build: the torch reference is used
-        logger.warning("the LoRA CPU kernel is unavailable (the torch reference is used): %s", exc)
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    error = build_library(name, "lora_cpu", SOURCE, HEADERS, extra_flags)
+    if error is not None:
+        logger.warning("the LoRA CPU kernel is unavailable (the torch reference is used): %s", error)
+    return error
 
 
 @functools.cache

@@ -7,7 +7,7 @@ built, ``TOKENMILL_RECURRENT_KERNELS`` not ``0``: ``config.recurrent_kernels_ena
 reference. The kernels compute in float32 and keep float32 states; the scans go token by token (the
 reference's prompt path is chunked), so results agree with the reference to float32 rounding.
 
-Built and cached like the LoRA kernel (``layers/lora_kernel.py``): a library of its own under the
+Built and cached like the LoRA kernel (``cpu_kernels.build_library``): a library of its own under the
 extension cache, keyed by its source, the flags (``TOKENMILL_CPU_ISA``'s path), torch and the CPU.
 ``build_variant`` compiles it again under another op library with extra flags (a test builds the AVX2
 code on an AVX-512 machine and compares).
@@ -16,17 +16,16 @@ code on an AVX-512 machine and compares).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenmill.config import extension_cache_dir, recurrent_kernels_enabled
+from tokenmill.config import recurrent_kernels_enabled
 from tokenmill.layers import gated_delta as delta_reference
 from tokenmill.layers import mamba2 as mamba_reference
-from tokenmill.layers.cpu_kernels import LDFLAGS, _cpu_flags, cflags, remove_stale_build_lock, stage_sources
+from tokenmill.layers.cpu_kernels import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -37,35 +36,11 @@ NAME = "tokenmill_recurrent_cpu"
 LIBRARY = "tokenmill_recurrent"
 
 
-def _build_directory(extra_flags: tuple[str, ...]) -> Path:
-    digest = hashlib.sha256()
-    for path in (SOURCE, *HEADERS):
-        digest.update(path.read_bytes())
-    for part in (" ".join((*cflags(), *extra_flags, *LDFLAGS)), torch.__version__, _cpu_flags()):
-        digest.update(part.encode())
-    return Path(extension_cache_dir()) / f"recurrent_cpu-{digest.hexdigest()[:16]}"
-
-
 def _build(name: str, extra_flags: tuple[str, ...]) -> str | None:
-    try:
-        from torch.utils import cpp_extension
-
-        folder = _build_directory(extra_flags)
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_build_lock(folder)
-        cpp_extension.load(
-            name=name,
-            sources=stage_sources(folder, [SOURCE, *HEADERS])[:1],
-            extra_cflags=[*cflags(), *extra_flags],
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a bad build: the torch reference is used
-        logger.warning("the recurrent CPU kernels are unavailable (the torch reference is used): %s", exc)
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    error = build_library(name, "recurrent_cpu", SOURCE, HEADERS, extra_flags)
+    if error is not None:
+        logger.warning("the recurrent CPU kernels are unavailable (the torch reference is used): %s", error)
+    return error
 
 
 @functools.cache

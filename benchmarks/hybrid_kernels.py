@@ -23,7 +23,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hybrid_prefix_cache import _spread_weights, _word_tokenizer, build_model  # noqa: E402
+from hybrid_prefix_cache import build_model, save_random_model  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -50,14 +50,7 @@ def build_nemotron(folder: str, vocab: int) -> int:
         bos_token_id=None,
         eos_token_id=None,
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _spread_weights(model)
-    model.save_pretrained(folder)
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_word_tokenizer(vocab), unk_token="<unk>", eos_token="</s>"
-    ).save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    return save_random_model(config, folder, vocab)
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:

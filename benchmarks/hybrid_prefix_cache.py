@@ -48,6 +48,12 @@ def build_model(folder: str, vocab: int) -> int:
         bos_token_id=None,
         eos_token_id=None,
     )
+    return save_random_model(config, folder, vocab)
+
+
+def save_random_model(config: transformers.PreTrainedConfig, folder: str, vocab: int) -> int:
+    """Save a seeded random model of ``config`` (weights spread by ``_spread_weights``) and a word
+    tokenizer of ``vocab`` words to ``folder``; returns its parameter count."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _spread_weights(model)

@@ -24,7 +24,6 @@ import logging
 import os
 import subprocess
 import threading
-import traceback
 from typing import Any
 
 import msgspec
@@ -33,7 +32,6 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_proc import EngineProcessHandle, make_socket_dir
 from tokenmill.core.zmq_client import EngineLaunch, Sockets
-from tokenmill.protocol import EngineReady, EngineStartFailed
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ class RayEngineReplica:
         """Build the engine, report ``EngineReady`` (or ``EngineStartFailed``) and serve until
         ``ShutdownEngine``; returns the exit code (1: an engine fault, reported first)."""
         from tokenmill.core.engine_core import EngineCore
-        from tokenmill.core.engine_proc import EngineLoop
+        from tokenmill.core.engine_proc import EngineLoop, engine_ready, start_failure
         from tokenmill.loader import resolve_model
 
         output = self._context.socket(zmq.PUSH)
@@ -89,17 +87,9 @@ class RayEngineReplica:
                 core = EngineCore(config, resolve_model(config.model.model))
                 logger.info("engine warmed up in %.2f s", core.warm_up())
             except Exception as exc:
-                logger.error("engine failed to start:\n%s", traceback.format_exc())
-                output.send(encoder.encode(EngineStartFailed(error=f"{type(exc).__name__}: {exc}")))
+                output.send(encoder.encode(start_failure(exc)))
                 return 1
-            ready = EngineReady(
-                max_model_len=core.max_model_len,
-                num_blocks=core.kv_manager.num_blocks,
-                block_size=core.kv_manager.block_size,
-                pid=os.getpid(),
-                kv_cache_bytes=core.executor.kv_cache_bytes,
-            )
-            output.send(encoder.encode(ready))
+            output.send(encoder.encode(engine_ready(core)))
             try:
                 return EngineLoop(core, self._input, output, os.getppid(), None).run()
             finally:

@@ -243,6 +243,24 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def engine_ready(core: EngineCore) -> EngineReady:
+    """The ``EngineReady`` message announcing a started, warmed-up ``core`` from this process."""
+    return EngineReady(
+        max_model_len=core.max_model_len,
+        num_blocks=core.kv_manager.num_blocks,
+        block_size=core.kv_manager.block_size,
+        pid=os.getpid(),
+        kv_cache_bytes=core.executor.kv_cache_bytes,
+    )
+
+
+def start_failure(exc: Exception) -> EngineStartFailed:
+    """Log why the engine failed to start (with the traceback of ``exc``, being handled) and return
+    the ``EngineStartFailed`` message that tells the client."""
+    logger.error("engine failed to start:\n%s", traceback.format_exc())
+    return EngineStartFailed(error=f"{type(exc).__name__}: {exc}")
+
+
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> int:
     """Build the engine, report ready (or why not), and serve; returns the exit code."""
     if config.engine_niceness:
@@ -264,16 +282,9 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         except _Terminated:
             raise
         except Exception as exc:
-            logger.error("engine failed to start:\n%s", traceback.format_exc())
-            output_socket.send(encoder.encode(EngineStartFailed(error=f"{type(exc).__name__}: {exc}")))
+            output_socket.send(encoder.encode(start_failure(exc)))
             return 1
-        ready = EngineReady(
-            max_model_len=core.max_model_len,
-            num_blocks=core.kv_manager.num_blocks,
-            block_size=core.kv_manager.block_size,
-            pid=os.getpid(),
-            kv_cache_bytes=core.executor.kv_cache_bytes,
-        )
+        ready = engine_ready(core)
         interrupt = None
         if config.scheduler.cuts_steps():
             # A request of a tier with a TTFT target, or one with a short prefill, may cut a step short

@@ -26,7 +26,7 @@ What llama.cpp's converter did to the tensors, undone here:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -224,9 +224,9 @@ def iter_weights(index: GGUFIndex, arch: str, to_torch: Any) -> Iterator[tuple[s
     (``to_torch`` dequantizes one ``IndexedTensor``). Unknown tensor names raise ``ValueError``."""
     tensors = {t.name: t for t in index.tensors}
     if arch == "gpt-oss":
-        return _gpt_oss_weights(tensors, to_torch)
+        return _model_weights(tensors, to_torch, _gpt_oss_block)
     if arch == "deepseek2":
-        return _deepseek_weights(tensors, to_torch)
+        return _model_weights(tensors, to_torch, _deepseek_block)
     raise ValueError(f"no GGUF tensor mapping for architecture {arch!r}")
 
 
@@ -255,7 +255,12 @@ def _shape(index: GGUFIndex, name: str) -> tuple[int, ...]:
     return next(tuple(int(d) for d in t.shape) for t in index.tensors if t.name == name)
 
 
-def _gpt_oss_weights(tensors: dict[str, IndexedTensor], to_torch: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _model_weights(
+    tensors: dict[str, IndexedTensor], to_torch: Any, block: Callable[..., Iterator[tuple[str, torch.Tensor]]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's transformers-named weights from a GGUF file's ``tensors``: the global ones
+    (embeddings, final norm, head) by name, each block tensor by ``block(tensors, to_torch, name,
+    "model.layers.<i>", kind, suffix)``; a tensor neither names raises ``ValueError``."""
     for name in tensors:
         hf = _global_name(name)
         if hf is not None:
@@ -265,62 +270,63 @@ def _gpt_oss_weights(tensors: dict[str, IndexedTensor], to_torch: Any) -> Iterat
         if m is None:
             raise _unknown(name)
         layer, kind, suffix = m.groups()
-        prefix = f"model.layers.{layer}"
-        if kind == "attn_sinks" and suffix == "weight":
-            yield f"{prefix}.self_attn.sinks", to_torch(tensors[name])
-        elif kind in _GPT_OSS_BLOCK:
-            yield f"{prefix}.{_GPT_OSS_BLOCK[kind]}.{suffix}", to_torch(tensors[name])
-        elif kind == "ffn_gate_exps":
-            up_name = name.replace("ffn_gate_exps", "ffn_up_exps")
-            if up_name not in tensors:
-                raise ValueError(f"GGUF tensor {name!r} has no {up_name!r} to pair with")
-            gate, up = to_torch(tensors[name]), to_torch(tensors[up_name])  # [E, I, hidden] / [E, I]
-            if suffix == "weight":
-                gate, up = gate.transpose(1, 2), up.transpose(1, 2)  # [E, hidden, I]
-            joined = torch.stack([gate, up], dim=-1).flatten(-2)  # [..., 2I]: gate, up interleaved
-            yield f"{prefix}.mlp.experts.gate_up_proj{'' if suffix == 'weight' else '_bias'}", joined
-        elif kind == "ffn_up_exps":
-            continue  # joined with its gate above
-        elif kind == "ffn_down_exps":
-            down = to_torch(tensors[name])  # [E, hidden, I] or bias [E, hidden]
-            if suffix == "weight":
-                down = down.transpose(1, 2).contiguous()  # [E, I, hidden]
-            yield f"{prefix}.mlp.experts.down_proj{'' if suffix == 'weight' else '_bias'}", down
-        else:
-            raise _unknown(name)
+        yield from block(tensors, to_torch, name, f"model.layers.{layer}", kind, suffix)
 
 
-def _deepseek_weights(tensors: dict[str, IndexedTensor], to_torch: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    for name in tensors:
-        hf = _global_name(name)
-        if hf is not None:
-            yield hf, to_torch(tensors[name])
-            continue
-        m = _BLOCK.fullmatch(name)
-        if m is None:
-            raise _unknown(name)
-        layer, kind, suffix = m.groups()
-        prefix = f"model.layers.{layer}"
-        if kind in _DEEPSEEK_BLOCK:
-            yield f"{prefix}.{_DEEPSEEK_BLOCK[kind]}.{suffix}", to_torch(tensors[name])
-        elif kind == "exp_probs_b":
-            yield f"{prefix}.mlp.gate.e_score_correction_bias", to_torch(tensors[name])
-        elif kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") and suffix == "weight":
-            proj = kind.removeprefix("ffn_").removesuffix("_exps")
-            stacked = to_torch(tensors[name])  # [E, out, in]
-            for expert in range(stacked.shape[0]):
-                yield f"{prefix}.mlp.experts.{expert}.{proj}_proj.weight", stacked[expert]
-        elif kind == "attn_k_b" and suffix == "weight":
-            if name.replace("attn_k_b", "attn_kv_b") in tensors:
-                continue  # the file holds the joined tensor too
-            v_name = name.replace("attn_k_b", "attn_v_b")
-            if v_name not in tensors:
-                raise ValueError(f"GGUF tensor {name!r} has no {v_name!r} to pair with")
-            k_b = to_torch(tensors[name]).transpose(1, 2)  # [H, nope, kv_lora]
-            v_b = to_torch(tensors[v_name])  # [H, v, kv_lora]
-            kv_b = torch.cat([k_b, v_b], dim=1).flatten(0, 1)  # [H * (nope + v), kv_lora]
-            yield f"{prefix}.self_attn.kv_b_proj.weight", kv_b
-        elif kind == "attn_v_b":
-            continue  # joined with attn_k_b above
-        else:
-            raise _unknown(name)
+def _gpt_oss_block(
+    tensors: dict[str, IndexedTensor], to_torch: Any, name: str, prefix: str, kind: str, suffix: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's transformers weights from block tensor ``name`` (none for an up projection, joined
+    with its gate)."""
+    if kind == "attn_sinks" and suffix == "weight":
+        yield f"{prefix}.self_attn.sinks", to_torch(tensors[name])
+    elif kind in _GPT_OSS_BLOCK:
+        yield f"{prefix}.{_GPT_OSS_BLOCK[kind]}.{suffix}", to_torch(tensors[name])
+    elif kind == "ffn_gate_exps":
+        up_name = name.replace("ffn_gate_exps", "ffn_up_exps")
+        if up_name not in tensors:
+            raise ValueError(f"GGUF tensor {name!r} has no {up_name!r} to pair with")
+        gate, up = to_torch(tensors[name]), to_torch(tensors[up_name])  # [E, I, hidden] / [E, I]
+        if suffix == "weight":
+            gate, up = gate.transpose(1, 2), up.transpose(1, 2)  # [E, hidden, I]
+        joined = torch.stack([gate, up], dim=-1).flatten(-2)  # [..., 2I]: gate, up interleaved
+        yield f"{prefix}.mlp.experts.gate_up_proj{'' if suffix == 'weight' else '_bias'}", joined
+    elif kind == "ffn_up_exps":
+        return  # joined with its gate above
+    elif kind == "ffn_down_exps":
+        down = to_torch(tensors[name])  # [E, hidden, I] or bias [E, hidden]
+        if suffix == "weight":
+            down = down.transpose(1, 2).contiguous()  # [E, I, hidden]
+        yield f"{prefix}.mlp.experts.down_proj{'' if suffix == 'weight' else '_bias'}", down
+    else:
+        raise _unknown(name)
+
+
+def _deepseek_block(
+    tensors: dict[str, IndexedTensor], to_torch: Any, name: str, prefix: str, kind: str, suffix: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek's transformers weights from block tensor ``name`` (experts split one by one; the
+    attention's k_b and v_b joined into kv_b)."""
+    if kind in _DEEPSEEK_BLOCK:
+        yield f"{prefix}.{_DEEPSEEK_BLOCK[kind]}.{suffix}", to_torch(tensors[name])
+    elif kind == "exp_probs_b":
+        yield f"{prefix}.mlp.gate.e_score_correction_bias", to_torch(tensors[name])
+    elif kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") and suffix == "weight":
+        proj = kind.removeprefix("ffn_").removesuffix("_exps")
+        stacked = to_torch(tensors[name])  # [E, out, in]
+        for expert in range(stacked.shape[0]):
+            yield f"{prefix}.mlp.experts.{expert}.{proj}_proj.weight", stacked[expert]
+    elif kind == "attn_k_b" and suffix == "weight":
+        if name.replace("attn_k_b", "attn_kv_b") in tensors:
+            return  # the file holds the joined tensor too
+        v_name = name.replace("attn_k_b", "attn_v_b")
+        if v_name not in tensors:
+            raise ValueError(f"GGUF tensor {name!r} has no {v_name!r} to pair with")
+        k_b = to_torch(tensors[name]).transpose(1, 2)  # [H, nope, kv_lora]
+        v_b = to_torch(tensors[v_name])  # [H, v, kv_lora]
+        kv_b = torch.cat([k_b, v_b], dim=1).flatten(0, 1)  # [H * (nope + v), kv_lora]
+        yield f"{prefix}.self_attn.kv_b_proj.weight", kv_b
+    elif kind == "attn_v_b":
+        return  # joined with attn_k_b above
+    else:
+        raise _unknown(name)

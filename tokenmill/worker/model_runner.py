@@ -49,28 +49,19 @@ from tokenmill.sample.build import (
     position_generator,
 )
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs, skip_draws
-from tokenmill.spec.proposer import Proposer, make_proposer
+from tokenmill.spec.proposer import Proposer
 from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
-from tokenmill.worker.kv_cache import (
-    IdlePrefaulter,
-    allocate_kv_caches,
-    bytes_per_block,
-    default_num_blocks,
-    num_blocks_for_budget,
-)
-from tokenmill.worker.kv_groups import WindowKVGroup
+from tokenmill.worker.drafters import make_drafter
+from tokenmill.worker.kv_setup import log_kv_cache, make_prefaulter, new_kv_caches, plan_kv_pool
 from tokenmill.worker.spec_step import draft_contexts, verify_entries
-from tokenmill.worker.state_cache import StateCache
+from tokenmill.worker.state_cache import make_state_cache
 from tokenmill.worker.tp_step_control import step_control_for
 from tokenmill.worker.weight_update import WeightUpdater, drop_derived_weights
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# How far the idle prefaulter maps ahead of the highest KV block written, in steps of the full token
-# budget: enough that a burst of new prompts rarely faults, small enough that idle memory stays low.
-PREFAULT_AHEAD_STEPS = 2
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -172,52 +163,13 @@ class ModelRunner:
             if config.deterministic
             else select_backend(self.device, self.dtype, kv_dtype)
         )
-        self.state_cache = self._make_state_cache(config)
-        self.num_blocks = self._kv_pool_blocks(config, source, kv_dtype)
-        kv_spec = self.model.kv_cache_spec
-        self.kv_cache_bytes = self.num_blocks * bytes_per_block(
-            self.model.num_layers,
-            self.block_size,
-            kv_spec.num_kv_heads,
-            kv_spec.head_dim,
-            kv_dtype,
-            kv_spec.num_planes,
+        self.state_cache = make_state_cache(self.model, config, self.device)
+        self.num_blocks, self.kv_cache_bytes, self.window_group = plan_kv_pool(
+            config, source, self.model, self.device, kv_dtype, self.state_cache
         )
-        # Sliding-window layers in a pool of their own (worker/kv_groups.py), when the model opts in.
-        self.window_group = WindowKVGroup.plan(
-            self.model.layer_sliding_windows,
-            self.model.window_kv_group,
-            config,
-            self.num_blocks,
-            _context_tokens(config, source),
-        )
-        if self.window_group is not None:
-            self.num_blocks = self.window_group.num_full_blocks
-            self.kv_cache_bytes = self.window_group.cache_bytes(
-                self.block_size, kv_spec.num_kv_heads, kv_spec.head_dim, kv_dtype, kv_spec.num_planes
-            )
         self.kv_caches = self._new_kv_caches(kv_dtype)
-        # Maps the cache's pages ahead of use while the engine is idle (CacheConfig.prefault), a
-        # few steps' worth of blocks beyond the highest one written: resident memory follows use.
-        ahead_tokens = PREFAULT_AHEAD_STEPS * config.scheduler.max_num_batched_tokens
-        self.kv_prefaulter = (
-            IdlePrefaulter(
-                self.kv_caches
-                if self.window_group is None
-                else self.window_group.full_layer_caches(self.kv_caches),
-                ahead_blocks=-(-ahead_tokens // self.block_size),
-            )
-            if config.cache.prefault and self.device.type == "cpu"
-            else None
-        )
-        logger.info(
-            "KV cache: %d tokens (%d blocks of %d), %.2f GB of %s",
-            self.num_blocks * self.block_size,
-            self.num_blocks,
-            self.block_size,
-            self.kv_cache_bytes / 1e9,
-            str(kv_dtype).removeprefix("torch."),
-        )
+        self.kv_prefaulter = make_prefaulter(config, self.device, self.kv_caches, self.window_group)
+        log_kv_cache(self.num_blocks, self.block_size, self.kv_cache_bytes, kv_dtype)
         # The model-wide window (Mistral: every layer) and each layer's own (Gemma 3 mixes sliding
         # and global layers); one attention metadata is built per distinct window.
         self.sliding_window: int | None = self.model.sliding_window
@@ -229,21 +181,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # Speculative decoding's drafter (spec/), run after each step's sampling; None when off.
         spec = config.speculative_config
-        self.proposer: Proposer | None = None
-        if spec is not None and spec.method == "draft_model":
-            from tokenmill.worker.draft_model import DraftModelProposer
-
-            self.proposer = DraftModelProposer(config, int(source.hf_config.vocab_size), self.num_blocks)
-        elif spec is not None and spec.method == "mtp":
-            from tokenmill.worker.mtp_proposer import MTPProposer
-
-            self.proposer = MTPProposer(config, source, self.model, self.num_blocks, kv_dtype)
-        elif spec is not None and spec.method in ("eagle", "eagle3"):
-            from tokenmill.worker.eagle_proposer import EagleProposer
-
-            self.proposer = EagleProposer(config, self.model, self.num_blocks, kv_dtype)
-        elif spec is not None:
-            self.proposer = make_proposer(spec)
+        self.proposer: Proposer | None = make_drafter(config, source, self.model, self.num_blocks, kv_dtype)
         self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
         # The step the interrupt paused between layers, until the engine resumes or discards it.
         self._paused: SuspendedStep | None = None
@@ -421,68 +359,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def _kv_pool_blocks(self, config: EngineConfig, source: ModelSource, kv_dtype: torch.dtype) -> int:
-        """The pool's size: ``num_blocks``, else ``kv_cache_memory`` (bytes or a fraction), else
-        what ``max_num_seqs`` sequences of the whole context window need, capped at
-        ``kv_cache_memory_fraction`` of the available memory (``default_num_blocks``)."""
-        cache = config.cache
-        if cache.num_blocks:
-            return cache.num_blocks
-        num_blocks = self._kv_pool_blocks_for_memory(config, source, kv_dtype)
-        if self.state_cache is None:
-            return num_blocks
-        # The state pool comes out of the same memory budget.
-        shape = self._kv_shape()
-        per_block = bytes_per_block(
-            shape["num_layers"],
-            self.block_size,
-            shape["num_kv_heads"],
-            shape["head_dim"],
-            kv_dtype,
-            shape["num_planes"],
-        )
-        return max(1, num_blocks - -(-self.state_cache.total_bytes // per_block))
-
-    def _kv_pool_blocks_for_memory(
-        self, config: EngineConfig, source: ModelSource, kv_dtype: torch.dtype
-    ) -> int:
-        cache = config.cache
-        if cache.kv_cache_memory is not None:
-            return num_blocks_for_budget(
-                cache.kv_cache_memory, self.device, dtype=kv_dtype, **self._kv_shape()
-            )
-        return default_num_blocks(
-            config.scheduler.max_num_seqs * _context_tokens(config, source),
-            cache.kv_cache_memory_fraction,
-            self.device,
-            dtype=kv_dtype,
-            **self._kv_shape(),
-        )
-
-    def _make_state_cache(self, config: EngineConfig) -> StateCache | None:
-        """The state pool's tensors for a model with recurrent layers (None for others): ``num_state_slots``
-        slots, by default two per ``max_num_seqs``. Refuses the features that cannot keep such state
-        right yet."""
-        layout = getattr(self.model, "recurrent_state_layout", None)
-        if layout is None:
-            return None
-        for enabled, feature in (
-            (config.speculative_config is not None, "speculative decoding"),
-            (config.deterministic, "the deterministic mode"),
-            (config.lora.enable_lora, "LoRA"),
-        ):
-            if enabled:
-                raise ValueError(f"{feature} with recurrent-state models is not supported yet")
-        num_slots = config.cache.num_state_slots or 2 * config.scheduler.max_num_seqs
-        cache = StateCache(layout(), num_slots, self.device)
-        logger.info(
-            "recurrent state: %d slots of %.2f MB (%.2f GB)",
-            num_slots,
-            cache.slot_bytes / 1e6,
-            cache.total_bytes / 1e9,
-        )
-        return cache
-
     def recurrent_state_info(self) -> list[int]:
         """``[num_state_slots, bytes per slot]``; ``[0, 0]`` for a model without recurrent state."""
         if self.state_cache is None:
@@ -497,20 +373,9 @@ class ModelRunner:
 
     def _new_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Zeroed cache tensors: one pool for all layers, or the window group's two."""
-        if self.window_group is not None:
-            return self.window_group.allocate(dtype=dtype, device=self.device, **self._kv_shape())
-        return allocate_kv_caches(self.num_blocks, dtype=dtype, device=self.device, **self._kv_shape())
-
-    def _kv_shape(self) -> dict[str, int]:
-        """The cache's shape as ``worker/kv_cache.py`` takes it, from the model's ``kv_cache_spec``."""
-        spec = self.model.kv_cache_spec
-        return {
-            "num_layers": self.model.num_layers,
-            "block_size": self.block_size,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "num_planes": spec.num_planes,
-        }
+        return new_kv_caches(
+            self.model, self.block_size, self.num_blocks, self.window_group, dtype, self.device
+        )
 
     def prefault_while_idle(self) -> bool:
         """Map the next few KV blocks' pages (``IdlePrefaulter.step``); whether more remain."""
@@ -788,9 +653,3 @@ def _to_position_logprobs(
         )
         for i in range(len(rank_list))
     ]
-
-
-def _context_tokens(config: EngineConfig, source: ModelSource) -> int:
-    """The context window as the engine core will set it (before the pool caps it)."""
-    model_limit = int(getattr(source.hf_config, "max_position_embeddings", 0) or 0) or 2048
-    return min(config.model.max_model_len or model_limit, model_limit)

@@ -8,12 +8,20 @@ from one (``ScheduledRequest.state_source``).
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.core.step_io import ScheduledRequest
 from tokenmill.layers.recurrent_state import RecurrentBatch, RecurrentSequence
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
 
 StateLayout = list[list[tuple[tuple[int, ...], torch.dtype]]]
 
@@ -66,3 +74,28 @@ class StateCache:
         for layer in self.caches:
             for tensor in layer:
                 tensor[target].copy_(tensor[source])
+
+
+def make_state_cache(model: CausalLM, config: EngineConfig, device: torch.device) -> StateCache | None:
+    """The state pool's tensors for a model with recurrent layers (None for others): ``num_state_slots``
+    slots, by default two per ``max_num_seqs``. Refuses the features that cannot keep such state
+    right yet (ValueError)."""
+    layout = getattr(model, "recurrent_state_layout", None)
+    if layout is None:
+        return None
+    for enabled, feature in (
+        (config.speculative_config is not None, "speculative decoding"),
+        (config.deterministic, "the deterministic mode"),
+        (config.lora.enable_lora, "LoRA"),
+    ):
+        if enabled:
+            raise ValueError(f"{feature} with recurrent-state models is not supported yet")
+    num_slots = config.cache.num_state_slots or 2 * config.scheduler.max_num_seqs
+    cache = StateCache(layout(), num_slots, device)
+    logger.info(
+        "recurrent state: %d slots of %.2f MB (%.2f GB)",
+        num_slots,
+        cache.slot_bytes / 1e6,
+        cache.total_bytes / 1e9,
+    )
+    return cache

@@ -36,10 +36,7 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.loader import ModelSource
-from tokenmill.loader.progress import iter_with_progress
 from tokenmill.lora.manager import LoRAManager
-from tokenmill.models.base import CausalLM
-from tokenmill.models.registry import choose_model_impl, resolve_model_class, takes_tensor_parallel
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import (
     RowSamplingInput,
@@ -54,6 +51,7 @@ from tokenmill.step_control import NEVER_STOP, InterruptFlag, LayerProgress
 from tokenmill.worker.cpu_malloc import keep_large_buffers_in_heap
 from tokenmill.worker.drafters import make_drafter
 from tokenmill.worker.kv_setup import log_kv_cache, make_prefaulter, new_kv_caches, plan_kv_pool
+from tokenmill.worker.model_load import load_model
 from tokenmill.worker.spec_step import draft_contexts, verify_entries
 from tokenmill.worker.state_cache import make_state_cache
 from tokenmill.worker.tp_step_control import step_control_for
@@ -99,46 +97,11 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
 
         start = time.perf_counter()
-        self.model_impl = choose_model_impl(source.hf_config, config.model.model_impl)
-        self.model: CausalLM
-        if self.model_impl == "transformers" and tp.size > 1:
-            raise ValueError(
-                "tensor parallelism needs a native model implementation; the transformers fallback "
-                f"runs {source.hf_config.architectures} unsharded (use tensor_parallel_size=1)"
-            )
-        if self.model_impl == "transformers":
-            # Imported here: transformers' modelling machinery takes seconds to import.
-            from tokenmill.models.transformers_fallback import load_transformers_model
-
-            self.model = load_transformers_model(
-                source.path, source.format, source.hf_config, self.dtype, self.device
-            )
-            if config.model.quantization is not None:
-                raise ValueError(
-                    f"quantization {config.model.quantization!r} is not supported with the transformers "
-                    "implementation; use model_impl='native' or no quantization"
-                )
-            description = f"transformers {type(self.model.hf_model).__name__} over paged attention"
-        else:
-            model_class = resolve_model_class(source.hf_config)
-            sharded = takes_tensor_parallel(model_class)
-            if tp.size > 1 and not sharded:
-                raise ValueError(
-                    f"tensor parallelism is not supported for {model_class.__name__} yet; "
-                    "run it with tensor_parallel_size=1"
-                )
-            with torch.device(self.device):
-                shard = {"tp": tp} if sharded else {}
-                self.model = model_class(source.hf_config, self.dtype, **shard)  # type: ignore[call-arg]
-            self.model.to(self.dtype)  # norms are built in float32; rotary tables stay float32
-            self.model.load_weights(iter_with_progress(source))  # type: ignore[operator]
-            self.model.eval()
+        self.model, self.model_impl, description = load_model(config, source, tp, self.dtype, self.device)
+        if self.model_impl == "native":
             quantized, exact_int4, exact_q8 = self._derive_weights()
-            description = (
-                f"native {model_class.__name__}"
-                + (f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
-                + (f", {config.model.quantization} weights in {quantized} layers" if quantized else "")
-            )
+            if quantized:
+                description += f", {config.model.quantization} weights in {quantized} layers"
             if exact_int4:
                 description += f", the int4 kernel on {exact_int4} exactly 4-bit layers (lossless)"
             if exact_q8:

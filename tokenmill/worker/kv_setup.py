@@ -50,6 +50,14 @@ def kv_shape(model: CausalLM, block_size: int) -> dict[str, int]:
     }
 
 
+def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+    """One block's bytes over all of the model's layers (``worker/kv_cache.bytes_per_block``)."""
+    spec = model.kv_cache_spec
+    return bytes_per_block(
+        model.num_layers, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, spec.num_planes
+    )
+
+
 def kv_pool_blocks(
     config: EngineConfig,
     source: ModelSource,
@@ -78,14 +86,7 @@ def kv_pool_blocks(
         )
     if state_cache is None:
         return num_blocks
-    per_block = bytes_per_block(
-        shape["num_layers"],
-        cache.block_size,
-        shape["num_kv_heads"],
-        shape["head_dim"],
-        kv_dtype,
-        shape["num_planes"],
-    )
+    per_block = kv_bytes_per_block(model, cache.block_size, kv_dtype)
     return max(1, num_blocks - -(-state_cache.total_bytes // per_block))
 
 
@@ -103,9 +104,7 @@ def plan_kv_pool(
     block_size = config.cache.block_size
     num_blocks = kv_pool_blocks(config, source, model, device, kv_dtype, state_cache)
     spec = model.kv_cache_spec
-    kv_cache_bytes = num_blocks * bytes_per_block(
-        model.num_layers, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, spec.num_planes
-    )
+    kv_cache_bytes = num_blocks * kv_bytes_per_block(model, block_size, kv_dtype)
     window_group = WindowKVGroup.plan(
         model.layer_sliding_windows,
         model.window_kv_group,

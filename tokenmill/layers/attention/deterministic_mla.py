@@ -57,9 +57,7 @@ class DeterministicMLABackend(MLAReferenceBackend):
     ) -> torch.Tensor:
         """The attention output ``[num_tokens, num_heads, v_head_dim]`` (``MLAReferenceBackend``'s
         contract)."""
-        cache = kv_cache[0].view(-1, self.latent_width)  # [num_slots, latent_width]
-        new = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)  # [num_tokens, latent_width]
-        cache.index_copy_(0, metadata.slot_mapping, new)
+        cache = self._store_latents(latent, k_rope, kv_cache, metadata.slot_mapping)  # [num_slots, W]
         tables, lengths = metadata.rows_as_decodes()  # [T, max_blocks], [T]
         w_uk, w_uv = self._up_weights()  # [H, nope, L], [H, v, L]
         q_latent = _per_row_heads(q_nope, w_uk)  # [T, H, L]

@@ -75,9 +75,7 @@ class MLAReferenceBackend:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """The attention output ``[num_tokens, num_heads, v_head_dim]`` (see the class contract)."""
-        cache = kv_cache[0].view(-1, self.latent_width)  # [num_slots, latent_width]
-        new = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)  # [num_tokens, latent_width]
-        cache.index_copy_(0, metadata.slot_mapping, new)
+        cache = self._store_latents(latent, k_rope, kv_cache, metadata.slot_mapping)  # [num_slots, W]
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)  # [T, H, v_head_dim]
         for group in metadata.groups:
             if group.num_queries == 1 or metadata.rows_as_decodes_preferred:
@@ -85,6 +83,20 @@ class MLAReferenceBackend:
             else:
                 self._attend_expanded(q_nope, q_rope, cache, group, out)
         return out
+
+    def _store_latents(
+        self,
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank], normalised
+        k_rope: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rotated
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, latent_width]
+        slot_mapping: torch.Tensor,  # [num_tokens]
+    ) -> torch.Tensor:
+        """Write the step's tokens (latent, then rotary key, in the cache's dtype) into their slots;
+        returns the cache as rows ``[num_slots, latent_width]`` (a view: later reads see the writes)."""
+        cache = kv_cache[0].view(-1, self.latent_width)  # [num_slots, latent_width]
+        new = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)  # [num_tokens, latent_width]
+        cache.index_copy_(0, slot_mapping, new)
+        return cache
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [num_heads, qk_nope_head_dim, kv_lora_rank]`` and ``W_UV [num_heads, v_head_dim,

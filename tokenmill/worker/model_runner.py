@@ -328,7 +328,7 @@ class ModelRunner:
             return [0, 0]
         return [self.state_cache.num_slots, self.state_cache.slot_bytes]
 
-    def kv_window_group_info(self) -> list[int]:
+    def sliding_kv_pool_info(self) -> list[int]:
         """``[window, blocks of the window pool]`` when the sliding layers form their own KV group
         (``worker/kv_groups.py``), else ``[0, 0]``."""
         group = self.window_group

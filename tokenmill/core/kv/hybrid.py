@@ -375,12 +375,12 @@ class HybridKVCacheManager(KVCacheManager):
 def make_kv_manager(config: EngineConfig, executor: Any) -> KVCacheManager:
     """The KV manager for the executor's model: a ``HybridKVCacheManager`` when its runner reports
     recurrent-state slots (``ModelRunner.recurrent_state_info``), a ``WindowGroupKVManager`` when it
-    reports a sliding-window KV group (``ModelRunner.kv_window_group_info``), else a plain
+    reports a sliding-window KV group (``ModelRunner.sliding_kv_pool_info``), else a plain
     ``KVCacheManager``."""
     cache = config.cache
     num_slots, slot_bytes = executor.collective_rpc("recurrent_state_info")[0]
     if not num_slots:
-        window, num_window_blocks = executor.collective_rpc("kv_window_group_info")[0]
+        window, num_window_blocks = executor.collective_rpc("sliding_kv_pool_info")[0]
         if window:  # sliding layers in a KV group of their own (core/kv/window_group.py)
             from tokenmill.core.kv.window_group import WindowGroupKVManager
 

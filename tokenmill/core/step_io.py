@@ -16,6 +16,11 @@ import torch
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
 
+# The table entry of a block released because it fell out of every layer's window (the KV manager
+# writes it; the plan's wire form and the model runner read it): the runner reads such entries as
+# block 0, and the attention mask never lets a query see them.
+RELEASED_BLOCK = -1
+
 
 @dataclass
 class GrammarBitmask:

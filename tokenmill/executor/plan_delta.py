@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.kv.manager import RELEASED_BLOCK
 from tokenmill.core.step_io import (
+    RELEASED_BLOCK,
     GrammarBitmask,
     ModelRunnerOutput,
     ScheduledRequest,

@@ -21,14 +21,9 @@ from typing import Any
 
 from tokenmill.core.kv.pool import BlockPool
 from tokenmill.core.request import Request
-from tokenmill.core.step_io import ScheduledRequest
+from tokenmill.core.step_io import RELEASED_BLOCK, ScheduledRequest
 
 logger = logging.getLogger(__name__)
-
-
-# The table entry of a block released because it fell out of every layer's window; the model runner
-# reads such entries as block 0, and the attention mask never lets a query see them.
-RELEASED_BLOCK = -1
 
 
 def cdiv(a: int, b: int) -> int:

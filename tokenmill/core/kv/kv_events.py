@@ -44,11 +44,19 @@ def block_hashes(namespace: FrontendNamespace, tokens: Sequence[int], block_size
     partial last block is not hashed: an engine caches whole blocks only)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    previous = namespace_seed(namespace)
-    out: list[int] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
+    whole = len(tokens) - len(tokens) % block_size
+    return [
+        int.from_bytes(h, "little") for h in chain_run(namespace_seed(namespace), tokens[:whole], block_size)
+    ]
+
+
+def chain_run(previous: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes after ``previous`` of each ``block_size`` block of ``tokens`` (a partial
+    last block hashed as it stands: a radix node's token run always ends on a block boundary)."""
+    out: list[bytes] = []
+    for start in range(0, len(tokens), block_size):
         previous = chain(previous, tokens[start : start + block_size])
-        out.append(int.from_bytes(previous, "little"))
+        out.append(previous)
     return out
 
 
@@ -103,14 +111,10 @@ class KVEventCollector:
     # ------------------------------------------------------------------ helpers
 
     def _node_hashes(self, node: RadixNodeLike) -> list[int]:
-        previous = self._end(node.parent)
-        bs = self.block_size
-        out: list[int] = []
-        for start in range(0, len(node.tokens), bs):
-            previous = chain(previous, node.tokens[start : start + bs])
-            out.append(int.from_bytes(previous, "little"))
-        self._end_hash[node.node_id] = previous
-        return out
+        parent_end = self._end(node.parent)
+        run = chain_run(parent_end, node.tokens, self.block_size)
+        self._end_hash[node.node_id] = run[-1] if run else parent_end
+        return [int.from_bytes(h, "little") for h in run]
 
     def _end(self, node: RadixNodeLike | None) -> bytes:
         """The hash of the prefix ending at ``node`` (a root: the namespace's seed)."""
@@ -120,11 +124,10 @@ class KVEventCollector:
         known = self._end_hash.get(node.node_id)
         if known is not None:
             return known
-        previous = self._end(node.parent)
-        for start in range(0, len(node.tokens), self.block_size):
-            previous = chain(previous, node.tokens[start : start + self.block_size])
-        self._end_hash[node.node_id] = previous
-        return previous
+        parent_end = self._end(node.parent)
+        run = chain_run(parent_end, node.tokens, self.block_size)
+        self._end_hash[node.node_id] = run[-1] if run else parent_end
+        return self._end_hash[node.node_id]
 
 
 class _EngineLike(Protocol):

@@ -17,6 +17,7 @@ from tests.conftest import TinyModel, save_tiny_model
 from tests.models.test_deepseek_v3 import DEEPSEEK_SPECS, KV_LORA_RANK, LOGPROB_TOL, ROPE_DIM
 from tests.models.test_llama_family import as_inputs, greedy
 from tests.models.test_tensor_parallel import assert_greedy_matches, shut, tp_llm
+from tokenmill import LLM
 from tokenmill.layers.fused_moe import FusedExperts
 from tokenmill.layers.tensor_parallel import TensorParallel
 from tokenmill.loader import resolve_model
@@ -104,3 +105,14 @@ def test_heads_or_experts_that_do_not_split_are_refused(deepseek: TinyModel) -> 
     with pytest.raises(ValueError, match=r"the experts \(8\) do not split evenly across 16"):
         config.num_attention_heads = 16
         DeepseekV3ForCausalLM(config, torch.float32, tp=TensorParallel(0, 16, expert_parallel=True))
+
+
+def test_expert_parallel_with_one_rank_changes_nothing(deepseek: TinyModel) -> None:
+    """As vLLM's flag does with one rank: accepted, and the one rank holds every expert."""
+    llm = LLM(deepseek.path, dtype="float32", block_size=4, num_blocks=64, enable_expert_parallel=True)
+    model = llm.engine.executor.runner.model
+    moe = model.layers[1].mlp
+    assert isinstance(moe, DeepseekV3MoE) and moe.experts.w13.shape == (NUM_EXPERTS, 2 * MOE_INTERMEDIATE, 64)
+    prompt = [10 + 3 * j for j in range(9)]
+    output = llm.generate(as_inputs([prompt]), greedy(6), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == deepseek.greedy(prompt, 6)

@@ -11,12 +11,18 @@ latency while each rank gets fewer cores, so tensor parallelism may lose there; 
 one rank's cores (or GPU) cannot hold or feed the model alone.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--model smollm2-135m] [--tp 2] [--threads 2]
+
+``--model deepseek-v3-shaped`` builds ``deepseek_mla.py``'s random ~94M-parameter DeepSeek-V3-shaped
+model in a temporary folder (``--expert-parallel``: its routed experts whole per rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+
+from deepseek_mla import build_model
 
 from tokenmill import LLM, SamplingParams
 
@@ -45,12 +51,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--expert-parallel", action="store_true", help="whole experts per rank")
     args = parser.parse_args()
+    if args.model == "deepseek-v3-shaped":
+        with tempfile.TemporaryDirectory() as folder:
+            build_model(folder)
+            args.model = folder
+            compare(args)
+    else:
+        compare(args)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The three engines over ``args.model``, one after the other; prints tokens/s and ratios."""
     common = {"dtype": args.dtype, "max_model_len": 1024, "num_threads": args.threads, "device": args.device}
     engines = {
         "one process": {},
         "one worker process (mp)": {"executor_backend": "mp"},
-        f"tensor parallel {args.tp}": {"tensor_parallel_size": args.tp},
+        f"tensor parallel {args.tp}": {
+            "tensor_parallel_size": args.tp,
+            "enable_expert_parallel": args.expert_parallel,
+        },
     }
     results: dict[str, float] = {}
     for name, settings in engines.items():

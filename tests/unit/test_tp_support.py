@@ -15,7 +15,13 @@ from tokenmill.models.registry import takes_tensor_parallel
 
 
 def test_the_sharded_families_take_tp_and_the_others_do_not() -> None:
-    for sharded in (LlamaForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, QwenMoeForCausalLM):
+    for sharded in (
+        LlamaForCausalLM,
+        Gemma3ForCausalLM,
+        MixtralForCausalLM,
+        QwenMoeForCausalLM,
+        DeepseekV3ForCausalLM,
+    ):
         assert takes_tensor_parallel(sharded), sharded.__name__
-    for whole in (GptOssForCausalLM, DeepseekV3ForCausalLM, Qwen3NextForCausalLM, NemotronHForCausalLM):
+    for whole in (GptOssForCausalLM, Qwen3NextForCausalLM, NemotronHForCausalLM):
         assert not takes_tensor_parallel(whole), whole.__name__

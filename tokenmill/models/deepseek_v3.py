@@ -15,6 +15,14 @@ token to ``num_experts_per_tok`` of ``n_routed_experts`` experts (sigmoid scores
 correction bias that changes which experts are chosen but not their weights; experts chosen within
 the ``topk_group`` best of ``n_group`` groups; weights renormalised when ``norm_topk_prob`` and scaled
 by ``routed_scaling_factor``), plus ``n_shared_experts`` shared experts (one MLP) for every token.
+
+Tensor parallelism (``tp``): the attention heads split evenly over the ranks (``q_proj`` /
+``q_b_proj`` and ``kv_b_proj`` column-parallel by head, ``o_proj`` row-parallel with its
+all-reduce); ``q_a_proj``, ``kv_a_proj_with_mqa``, their norms and so the latent cache are whole on
+every rank, as the latent is shared by all heads (each rank caches the full latent: MLA's cache does
+not shrink with more ranks). Dense layers and shared experts split like Llama's MLP; the routed
+experts split each expert's intermediate features, or with ``tp.expert_parallel`` whole experts
+(``layers/fused_moe.py``). The router is whole on every rank, so every rank routes alike.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from tokenmill.layers.fused_moe import FusedExperts, load_expert_tensors
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import get_rope, rope_parameters
+from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.models.base import CausalLM, KVCacheSpec
 from tokenmill.models.llama import LlamaArgs, LlamaMLP
 from tokenmill.models.weights import load_hf_weights
@@ -136,9 +145,13 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention; the step's attention runs in an MLA backend (``layers/attention/mla.py``)."""
 
-    def __init__(self, args: DeepseekV3Args, rotary: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(
+        self, args: DeepseekV3Args, rotary: nn.Module, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.args = args
+        # This rank's heads (all of them with one rank); ValueError when they do not split evenly.
+        self.num_heads = tp.even_range(args.num_heads, "the attention heads")[1]
         heads, qk_head_dim = args.num_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
         bias = args.attention_bias
         self.q_proj: ColumnParallelLinear | None = None
@@ -146,24 +159,26 @@ class DeepseekV3Attention(nn.Module):
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
         if args.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(args.hidden_size, heads * qk_head_dim, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(args.hidden_size, heads * qk_head_dim, dtype=dtype, tp=tp)
         else:
             self.q_a_proj = ColumnParallelLinear(args.hidden_size, args.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(args.q_lora_rank, heads * qk_head_dim, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(args.q_lora_rank, heads * qk_head_dim, dtype=dtype, tp=tp)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
             args.hidden_size, args.kv_lora_rank + args.qk_rope_head_dim, bias=bias, dtype=dtype
         )
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(
-            args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), dtype=dtype
+            args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), dtype=dtype, tp=tp
         )
-        self.o_proj = RowParallelLinear(heads * args.v_head_dim, args.hidden_size, bias=bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            heads * args.v_head_dim, args.hidden_size, bias=bias, dtype=dtype, tp=tp
+        )
         self.rotary = rotary  # shared by every layer
         # The model is built under `with torch.device(...)`, so the default device is the target one.
         backend = select_mla_backend(torch.get_default_device(), dtype)
         self.attn = backend(
-            heads,
+            self.num_heads,
             args.kv_lora_rank,
             args.qk_nope_head_dim,
             args.qk_rope_head_dim,
@@ -180,7 +195,7 @@ class DeepseekV3Attention(nn.Module):
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q = q.view(num_tokens, args.num_heads, -1)  # [num_tokens, heads, qk_head_dim]
+        q = q.view(num_tokens, self.num_heads, -1)  # [num_tokens, local heads, qk_head_dim]
         q_nope, q_rope = q.split([args.qk_nope_head_dim, args.qk_rope_head_dim], dim=-1)
         compressed = self.kv_a_proj_with_mqa(hidden)  # [num_tokens, kv_lora_rank + rope]
         latent, k_rope = compressed.split([args.kv_lora_rank, args.qk_rope_head_dim], dim=-1)
@@ -251,10 +266,12 @@ class DeepseekV3Router(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    """Routed experts plus the shared experts, added for every token."""
+    """Routed experts plus the shared experts, added for every token. Under tensor parallelism the
+    routed experts' partial sums are all-reduced here; the shared experts' ``down_proj`` reduces its own."""
 
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = DeepseekV3Router(config)
         self.experts = FusedExperts(
             config.n_routed_experts,
@@ -262,15 +279,16 @@ class DeepseekV3MoE(nn.Module):
             config.moe_intermediate_size,
             config.hidden_act,
             dtype,
+            tp=tp,
         )
         shared_size = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = (
-            LlamaMLP(mlp_args(config), dtype, intermediate_size=shared_size) if shared_size else None
+            LlamaMLP(mlp_args(config), dtype, intermediate_size=shared_size, tp=tp) if shared_size else None
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(hidden)  # [num_tokens, top_k] each
-        out = self.experts(hidden, weights, expert_ids)  # [num_tokens, hidden_size]
+        out = self.tp.all_reduce(self.experts(hidden, weights, expert_ids))  # [num_tokens, hidden_size]
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
@@ -280,14 +298,22 @@ class DeepseekV3DecoderLayer(nn.Module):
     """Pre-norm MLA and feed-forward (dense or DeepSeekMoE) with residuals."""
 
     def __init__(
-        self, config: Any, args: DeepseekV3Args, rotary: nn.Module, layer_index: int, dtype: torch.dtype
+        self,
+        config: Any,
+        args: DeepseekV3Args,
+        rotary: nn.Module,
+        layer_index: int,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = DeepseekV3Attention(args, rotary, dtype)
+        self.self_attn = DeepseekV3Attention(args, rotary, dtype, tp)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         dense = layer_index < args.first_k_dense_replace or not config.n_routed_experts
-        self.mlp: nn.Module = LlamaMLP(mlp_args(config), dtype) if dense else DeepseekV3MoE(config, dtype)
+        self.mlp: nn.Module = (
+            LlamaMLP(mlp_args(config), dtype, tp=tp) if dense else DeepseekV3MoE(config, dtype, tp)
+        )
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, layer_index: int
@@ -303,20 +329,22 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    """DeepseekV3ForCausalLM (DeepSeek-V3, R1, Kimi K2) over a latent paged KV cache."""
+    """DeepseekV3ForCausalLM (DeepSeek-V3, R1, Kimi K2) over a latent paged KV cache; ``tp``: this
+    rank's shard (see the module docstring; SINGLE: the whole model)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         args = DeepseekV3Args.from_hf(config)
         self.args = args
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype)
+        self.tp = tp
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, dtype, tp)
         self.rotary = get_rope(config, args.qk_rope_head_dim)
         self.layers = nn.ModuleList(
-            [DeepseekV3DecoderLayer(config, args, self.rotary, i, dtype) for i in range(args.num_layers)]
+            [DeepseekV3DecoderLayer(config, args, self.rotary, i, dtype, tp) for i in range(args.num_layers)]
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
-        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied)
+        self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied, tp=tp)
 
     @property
     def num_layers(self) -> int:
@@ -390,7 +418,12 @@ def _load_q_proj(
             yield name, tensor
             continue
         target = modules.get(module_path)
-        if not isinstance(target, ColumnParallelLinear) or target.weight.shape != tensor.shape:
+        if not isinstance(target, ColumnParallelLinear) or tuple(tensor.shape) != _whole_shape(target):
             raise ValueError(f"checkpoint tensor {name} does not fit this model")
         target.load_weight(param, tensor)
         loaded.add(name)
+
+
+def _whole_shape(layer: ColumnParallelLinear) -> tuple[int, int]:
+    """The checkpoint's shape of ``layer``'s weight: every head (a rank keeps its own rows)."""
+    return layer.weight.shape[0] * layer.tp.size, layer.weight.shape[1]

@@ -248,7 +248,8 @@ def test_a_head_trained_here_loads_as_eagle_and_keeps_greedy_outputs(target: Tin
     answer = first.tokens[first.answer_start :]  # the answer but its last token (never fed back)
     assert answer and target.greedy(PROMPTS[0], 16)[: len(answer)] == answer
     source = resolve_model(target.path)
-    head, d2t = train_head(options, source, samples, time.monotonic() + 3.0)
+    head, d2t, steps = train_head(options, source, samples, time.monotonic() + 3.0)
+    assert steps > 0
     assert d2t.shape == (64,)
     save_head(head, d2t, source.hf_config, out)
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -309,7 +310,7 @@ def test_a_trained_head_drafts_at_serving_what_it_computed_in_training(target: T
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(len(prompt), HIDDEN, generator=generator)  # [L, H]
     tokens = torch.randint(0, VOCAB, (len(prompt),), generator=generator)  # t_{p+1} of row p
-    embed, _, _ = _target_tensors(source)
+    embed, _ = _target_tensors(source)
     with torch.no_grad():
         want_hidden = head(features[None], torch.nn.functional.embedding(tokens, embed)[None])[0]
         want_logits = head.lm_head(want_hidden)  # [L, DRAFT_VOCAB]

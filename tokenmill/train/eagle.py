@@ -48,13 +48,13 @@ class TrainEagleOptions:
     model: str
     out: str
     data: str = "sharegpt"
-    num_prompts: int = 256
+    num_prompts: int = 1024
     num_heldout: int = 16
     max_prompt_tokens: int = 256
     answer_tokens: int = 128
     draft_vocab: int = 8192
     max_minutes: float = 25.0
-    batch_size: int = 8
+    batch_size: int = 4
     lr: float = 1e-3
     seed: int = 0
     dtype: str = "auto"  # the target's, when it answers (and in the held-out report)
@@ -204,15 +204,12 @@ class TrainHead(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _target_tensors(source: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The target's embedding, LM head and last decoder layer (HF names without the prefix)."""
-    last = f"model.layers.{source.hf_config.num_hidden_layers - 1}."
+def _target_tensors(source: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head (the embedding again when they are tied)."""
     wanted = ("model.embed_tokens.weight", "lm_head.weight")
-    tensors = dict(source.iter_weights(only=lambda n: n in wanted or n.startswith(last)))
+    tensors = dict(source.iter_weights(only=lambda n: n in wanted))
     embed = tensors["model.embed_tokens.weight"].float()
-    lm_head = tensors.get("lm_head.weight", embed).float()
-    layer = {k.removeprefix(last): v.float() for k, v in tensors.items() if k.startswith(last)}
-    return embed, lm_head, layer
+    return embed, tensors.get("lm_head.weight", embed).float()
 
 
 def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> list[list[Sample]]:
@@ -280,8 +277,9 @@ def _losses(head: TrainHead, inputs: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 def train_head(
     options: TrainEagleOptions, source: Any, samples: list[Sample], deadline: float
-) -> tuple[TrainHead, torch.Tensor]:
-    """Train the head until ``deadline`` (time.monotonic); returns it and ``d2t`` offsets."""
+) -> tuple[TrainHead, torch.Tensor, int]:
+    """Train the head until ``deadline`` (time.monotonic); returns it, ``d2t`` offsets and the number
+    of optimizer steps taken."""
     from tqdm import tqdm
 
     config = source.hf_config
@@ -291,18 +289,17 @@ def train_head(
         counts += torch.bincount(torch.tensor(s.tokens[s.answer_start :], dtype=torch.long), minlength=vocab)
     draft_vocab = min(options.draft_vocab, vocab)
     draft_ids = torch.sort(torch.topk(counts, draft_vocab).indices).values  # [draft_vocab] target ids
-    embed, lm_head, last_layer = _target_tensors(source)
+    embed, lm_head = _target_tensors(source)
     head_config = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 1})
     head = TrainHead(head_config, draft_vocab)
-    with torch.no_grad():  # start near "the features pass through the target's last layer"
+    # Start near "the features pass through": fc the identity on the features, the layer's own random
+    # init with small output projections. (Copying the target's last layer in, as before, learned
+    # several times slower: held-out top-1 0.18 against 0.40 after the same 4 minutes.)
+    with torch.no_grad():
         hidden = config.hidden_size
         head.fc.weight.zero_()
         head.fc.weight[:, hidden:] = torch.eye(hidden)
         head.fc.bias.zero_()
-        own = dict(head.layers[0].named_parameters())
-        for name, tensor in last_layer.items():
-            if name in own and own[name].shape == tensor.shape:
-                own[name].copy_(tensor)
         layer: Any = head.layers[0]
         layer.self_attn.o_proj.weight.mul_(0.1)
         layer.mlp.down_proj.weight.mul_(0.1)
@@ -332,7 +329,7 @@ def train_head(
         epoch += 1
     bar.close()
     logger.info("train-eagle: %d steps, %d epochs over %d sequences", step, epoch, len(samples))
-    return head, draft_ids - torch.arange(draft_vocab)
+    return head, draft_ids - torch.arange(draft_vocab), step
 
 
 def save_head(head: TrainHead, d2t: torch.Tensor, config: Any, out: str) -> None:
@@ -389,9 +386,10 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
     logger.info("train-eagle: the target answers %d prompts (self-distillation)", len(train_prompts))
     samples = _cached_samples(options, train_prompts)
     generated = time.monotonic() - begin
-    # Leave a tenth of the budget (at least a minute) for saving and the held-out report.
-    train_deadline = deadline - max(60.0, 0.1 * options.max_minutes * 60)
-    head, d2t = train_head(options, source, samples, train_deadline)
+    # Leave a fifth of the budget (at least two minutes) for saving and the held-out report (two engines).
+    train_deadline = deadline - max(120.0, 0.2 * options.max_minutes * 60)
+    head, d2t, steps = train_head(options, source, samples, train_deadline)
+    trained = time.monotonic() - begin - generated
     save_head(head, d2t, source.hf_config, options.out)
     report = heldout_report(options, heldout)
     report.update(
@@ -400,6 +398,9 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
             "train_sequences": len(samples),
             "train_tokens": sum(len(s.tokens) for s in samples),
             "draft_vocab": int(d2t.shape[0]),
+            "train_steps": steps,
+            "batch_size": options.batch_size,
+            "train_seconds": round(trained, 1),
             "generate_seconds": round(generated, 1),
             "total_seconds": round(time.monotonic() - begin, 1),
         }
@@ -423,6 +424,12 @@ def add_train_eagle_args(parser: Any) -> None:
     parser.add_argument(
         "--max-minutes", type=float, default=TrainEagleOptions.max_minutes, help="wall-clock budget"
     )
+    parser.add_argument(
+        "--batch-size", type=int, default=TrainEagleOptions.batch_size, help="sequences a step"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=TrainEagleOptions.lr, help="peak learning rate (cosine decay)"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -436,6 +443,8 @@ def run_train_eagle(args: Any) -> int:
         answer_tokens=args.answer_tokens,
         draft_vocab=args.draft_vocab,
         max_minutes=args.max_minutes,
+        batch_size=args.batch_size,
+        lr=args.lr,
         seed=args.seed,
     )
     report = train_eagle(options)

@@ -248,10 +248,77 @@ def test_a_head_trained_here_loads_as_eagle_and_keeps_greedy_outputs(target: Tin
     answer = first.tokens[first.answer_start :]  # the answer but its last token (never fed back)
     assert answer and target.greedy(PROMPTS[0], 16)[: len(answer)] == answer
     source = resolve_model(target.path)
-    head, d2t = train_head(options, source, samples, time.monotonic() + 3.0)
+    head, d2t, steps = train_head(options, source, samples, time.monotonic() + 3.0)
+    assert steps > 0
     assert d2t.shape == (64,)
     save_head(head, d2t, source.hf_config, out)
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     llm = make_llm(target, spec_of("eagle", out))
     assert [o[0] for o in generate(llm, greedy)] == [target.greedy(p, NUM_NEW) for p in PROMPTS]
     assert llm.engine.kv_stats()["spec_num_draft_tokens"] > 0
+
+
+def test_a_trained_head_drafts_at_serving_what_it_computed_in_training(target: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Training and serving agree: the features ``_FeatureRecorder`` keeps for a prompt are the rows
+    the ``eagle`` proposer reads for the same positions (the target's final, normed hidden states),
+    and a random ``TrainHead`` saved by ``save_head`` and loaded by ``models/eagle.py`` gives, fed
+    position by position through the proposer's KV cache, the hidden states and draft logits that
+    ``TrainHead.forward`` + its ``lm_head`` give over the whole sequence (same ``[embed; features]``
+    order, rotary positions, embedding and ``d2t`` direction)."""
+    from tests.conftest import spread_weights
+    from tokenmill.loader import resolve_model
+    from tokenmill.train.eagle import (
+        TrainEagleOptions,
+        TrainHead,
+        _target_tensors,
+        generate_samples,
+        save_head,
+    )
+    from tokenmill.worker.eagle_proposer import EagleProposer
+
+    source = resolve_model(target.path)
+    config = source.hf_config
+    head = TrainHead(type(config).from_dict({**config.to_dict(), "num_hidden_layers": 1}), DRAFT_VOCAB)
+    spread_weights(head, seed=5)
+    draft_ids = torch.arange(7, 7 + 3 * DRAFT_VOCAB, 3)  # target id of draft id i
+    out = str(tmp_path / "head")
+    save_head(head, draft_ids - torch.arange(DRAFT_VOCAB), config, out)
+
+    prompt = PROMPTS[0] * 2
+    options = TrainEagleOptions(model=target.path, out=out, answer_tokens=4, dtype="float32")
+    recorded = generate_samples(options, [prompt])[0].features  # [len(prompt) + 3, H]
+    seen: list[torch.Tensor] = []
+    original = EagleProposer._run
+
+    def spy(self, steps, previous):  # type: ignore[no-untyped-def]
+        seen.append(previous.clone())
+        return original(self, steps, previous)
+
+    spy_patch = pytest.MonkeyPatch()
+    spy_patch.setattr(EagleProposer, "_run", spy)
+    llm = make_llm(target, spec_of("eagle", out), enable_prefix_caching=False)
+    llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
+    )
+    spy_patch.undo()
+    with torch.no_grad():  # the final hidden state after the model's norm
+        normed = target.hf.model(torch.tensor([prompt])).last_hidden_state[0]  # [L, H]
+    torch.testing.assert_close(recorded[: len(prompt)], normed, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(seen[0], normed, atol=1e-4, rtol=1e-4)
+
+    proposer = llm.engine.executor.runner.proposer  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(len(prompt), HIDDEN, generator=generator)  # [L, H]
+    tokens = torch.randint(0, VOCAB, (len(prompt),), generator=generator)  # t_{p+1} of row p
+    embed, _ = _target_tensors(source)
+    with torch.no_grad():
+        want_hidden = head(features[None], torch.nn.functional.embedding(tokens, embed)[None])[0]
+        want_logits = head.lm_head(want_hidden)  # [L, DRAFT_VOCAB]
+    table = list(range(len(prompt) // 4 + 1))
+    rows = [proposer._run([(p, table, [int(tokens[p])])], features[p : p + 1]) for p in range(len(prompt))]
+    got_hidden = torch.cat([h for h, _ in rows])
+    got_logits = torch.cat([logits for _, logits in rows])
+    torch.testing.assert_close(got_hidden, want_hidden, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=1e-3)
+    drafts = [proposer._confident(row) for row in got_logits]
+    assert drafts == draft_ids[want_logits.argmax(-1)].tolist()

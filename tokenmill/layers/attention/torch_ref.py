@@ -47,7 +47,9 @@ class TorchReferenceBackend(AttentionBackend):
             window: AttentionMetadata(
                 slot_mapping=slot_mapping,
                 groups=[
-                    (build_decode_group if members is decodes else build_group)(members, block_size, window, device)
+                    (build_decode_group if members is decodes else build_group)(
+                        members, block_size, window, device
+                    )
                     for members in (decodes, chunks)
                     if members
                 ],

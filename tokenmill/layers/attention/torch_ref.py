@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention.backend import AttentionBackend, SequenceStep
+from tokenmill.layers.attention.decode_group import build_decode_group
 from tokenmill.layers.attention.metadata import AttentionGroup, AttentionMetadata
 
 # Prompt groups whose longest chunk has at least this many tokens attend one sequence at a time:
@@ -46,7 +47,9 @@ class TorchReferenceBackend(AttentionBackend):
             window: AttentionMetadata(
                 slot_mapping=slot_mapping,
                 groups=[
-                    build_group(members, block_size, window, device)
+                    (build_decode_group if members is decodes else build_group)(
+                        members, block_size, window, device
+                    )
                     for members in (decodes, chunks)
                     if members
                 ],

@@ -1,6 +1,7 @@
 """tokenmill vs llama.cpp on the CPU workloads of issue 5, side by side in one run.
 
-Workloads (SmolLM2-135M, 128-token prompts and outputs, EOS ignored):
+Workloads (SmolLM2-135M, or ``--model gemma3-270m``: Gemma 3 270M; 128-token prompts and outputs,
+EOS ignored):
 
 - single-stream decode: one sequence; tokenmill's decode rate vs ``llama-bench -p 0 -n 128``
 - 64-sequence decode: tokenmill's decode rate with 64 sequences vs ``llama-batched-bench`` S_TG at
@@ -12,7 +13,7 @@ Workloads (SmolLM2-135M, 128-token prompts and outputs, EOS ignored):
 ``--isa avx2,avx512_bf16`` prints a table per ``TOKENMILL_CPU_ISA`` path (tokenmill held to that
 instruction set; llama.cpp from ``$LLAMA_CPP_BIN_AVX2`` for ``avx2`` where set, an AVX2-only build).
 
-llama.cpp runs on each of its weight files (the bundled Q4_1, and Q8_0 / BF16 copies made with
+llama.cpp runs on each of its weight files (the bundled Q4_1 / Q4_K_M, and Q8_0 / BF16 copies made with
 llama-quantize, cached in ~/.cache/tokenmill-bench); its best is the comparison. Every figure is the
 median of ``--repeats`` runs. Runs are sequential: never run another benchmark at the same time.
 
@@ -44,6 +45,9 @@ from peers import (
     tokenmill_server,
 )
 
+# The bundled models this script runs, and the weight format of each one's GGUF file.
+BUNDLED_KINDS = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
+
 TARGETS = {"single-stream decode": 1.0, "64-seq decode": 2.0, "prefill": 1.5, "server 16 conc": 2.0}
 
 
@@ -52,7 +56,7 @@ def tokenmill_offline(args: argparse.Namespace) -> dict[str, float]:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
-        "smollm2-135m",
+        args.model,
         dtype=args.dtype,
         quantization=args.quantization,
         enable_prefix_caching=False,
@@ -81,6 +85,15 @@ def tokenmill_offline(args: argparse.Namespace) -> dict[str, float]:
             if count == args.batch:
                 results["prefill"].append(count * 128 / prefill_s)
     return {name: statistics.median(values) for name, values in results.items()}
+
+
+def model_gguf(model: str) -> str:
+    """The GGUF file of a bundled model (its package is found, never imported by this script)."""
+    if model == "smollm2-135m":
+        return bundled_gguf()
+    from tokenmill.loader.bundled import locate_bundled
+
+    return locate_bundled(model)
 
 
 def llama_bench(binary: str, gguf: str, repeats: int) -> dict[str, float]:
@@ -115,7 +128,15 @@ def tokenmill_path_rates(isa: str, args: argparse.Namespace) -> tuple[str, dict[
     """tokenmill's figures on one ``TOKENMILL_CPU_ISA`` path (``auto``: the CPU's best), and the path
     that ran. The offline engine runs in a child process: the path is fixed per process."""
     env = {**os.environ, "TOKENMILL_CPU_ISA": isa}
-    command = [sys.executable, __file__, "--offline-json", "--repeats", str(args.repeats)]
+    command = [
+        sys.executable,
+        __file__,
+        "--offline-json",
+        "--repeats",
+        str(args.repeats),
+        "--model",
+        args.model,
+    ]
     command += ["--batch", str(args.batch), "--output-len", str(args.output_len), "--dtype", args.dtype]
     command += ["--quantization", args.quantization] if args.quantization else []
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -128,7 +149,7 @@ def tokenmill_path_rates(isa: str, args: argparse.Namespace) -> tuple[str, dict[
         previous = os.environ.get("TOKENMILL_CPU_ISA")
         os.environ["TOKENMILL_CPU_ISA"] = isa  # the server process inherits it
         try:
-            with tokenmill_server("smollm2-135m", extra) as url:
+            with tokenmill_server(args.model, extra) as url:
                 rates["server 16 conc"] = server_rate(url, "tokenmill", args)
         finally:
             os.environ.pop("TOKENMILL_CPU_ISA")
@@ -206,7 +227,12 @@ def main() -> None:
         "--dtype", default="auto", help="auto: bfloat16 on the AVX-512 paths, float32 on avx2"
     )
     parser.add_argument("--quantization", default=None, help="tokenmill weight quantization (int8 or int4)")
-    parser.add_argument("--weights", default="Q4_1,Q8_0,BF16", help="llama.cpp weight files to try")
+    parser.add_argument(
+        "--weights",
+        default="Q8_0,BF16",
+        help="llama.cpp weight files to try besides the bundled one (made with llama-quantize)",
+    )
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(BUNDLED_KINDS))
     parser.add_argument(
         "--isa",
         default="auto",
@@ -223,13 +249,13 @@ def main() -> None:
         print(json.dumps({"isa": cpu_isa(), "rates": tokenmill_offline(args)}))
         return
     print(
-        f"{cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'default weights: lossless int4 on exactly 4-bit layers'})"
+        f"{args.model} on {cpu_name()}, {os.cpu_count()} cores; tokenmill {git_describe()} ({args.dtype}, {args.quantization or 'default weights: lossless int4 on exactly 4-bit layers'})"
     )
-    gguf = bundled_gguf()
-    files = {"Q4_1": gguf}
+    gguf = model_gguf(args.model)
+    files = {BUNDLED_KINDS[args.model]: gguf}
     quantize = tool(os.environ.get("LLAMA_CPP_BIN"), "llama-quantize")
     for kind in args.weights.split(","):
-        if kind != "Q4_1" and quantize is not None:
+        if kind not in files and quantize is not None:
             files[kind] = requantized(gguf, quantize, kind, Path.home() / ".cache/tokenmill-bench")
     for isa in args.isa.split(","):
         ran, ours = tokenmill_path_rates(isa, args)

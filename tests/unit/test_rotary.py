@@ -336,3 +336,7 @@ def test_gemma_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
         assert torch.equal(new_residual, residual + x)
         assert torch.equal(normed, reference(residual + x))
         assert normed.dtype == dtype
+        norm.prepare_for_inference()  # keeps 1 + weight in float32: the same bits
+        assert norm.one_plus_weight is not None
+        assert torch.equal(norm(x), reference(x))
+        assert torch.equal(norm(x, residual)[0], reference(residual + x))

@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.layers.batch_invariant import invariant_product
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
+from tokenmill.layers.q8 import Q8Weight, exact_small_level_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 
@@ -59,6 +60,7 @@ class LinearBase(nn.Module):
         self.int8_weight: torch.Tensor | None = None  # [out_features, in_features] int8
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None
+        self.q8_weight: Q8Weight | None = None  # exact 8-bit groups (layers/q8.py), small steps
         # Deterministic mode (layers/batch_invariant.py invariant_product): a batch-invariant row kernel,
         # or products on multiples of this many rows through the float weight; 0 (the default) lets
         # each batch take its fastest kernel.
@@ -90,6 +92,15 @@ class LinearBase(nn.Module):
         self.weight.data.copy_(dequantize_int8_rows(self.int8_weight, self.int8_scales))
         return None
 
+    def keep_exact_q8(self) -> bool:
+        """Give small steps the 8-bit kernel when the weight is exactly 8-bit groups of small levels
+        (a Q8_0 or Q5_0 GGUF tensor: ``q8.exact_small_level_groups``) and has no int4/int8 copy; the
+        weight is unchanged. Returns whether it did."""
+        if self.int4_weight is not None or self.int8_weight is not None:
+            return False
+        self.q8_weight = exact_small_level_weight(self.weight.data)
+        return self.q8_weight is not None
+
     def prepare_for_inference(self) -> None:
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
 
@@ -99,6 +110,9 @@ class LinearBase(nn.Module):
             return invariant_product(x, self.weight, bias, float_matmul, self.row_tile, int4=self.int4_weight)
         if self.int4_weight is not None and self.int4_weight.takes(x):
             return self.int4_weight.linear(x, bias)
+        if self.q8_weight is not None and self.q8_weight.takes(x):
+            out = self.q8_weight.linear(x)  # [rows, out_features]
+            return out if bias is None else out + bias
         if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):
             return int8_linear(x, self.int8_weight, self.int8_scales, bias)
         return self._float_matmul(x, bias)

@@ -81,6 +81,14 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
+        # `1 + weight` in float32, kept by prepare_for_inference (a derived weight: the model runner
+        # drops and rebuilds it with the others); None: computed per call. The same values either way.
+        self.one_plus_weight: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Keep `1 + weight` in float32 for every call (two element-wise ops fewer per call); redo
+        after weight changes."""
+        self.one_plus_weight = 1.0 + self.weight.detach().float()  # [hidden_size]
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -100,7 +108,10 @@ class GemmaRMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Gemma multiplies in float32 and rounds once (transformers PR 29402), unlike Llama.
-        normed = _rms_normalize(x, self.eps) * (1.0 + self.weight.float())  # [..., hidden_size]
+        scale = self.one_plus_weight
+        if scale is None or scale.device != x.device:
+            scale = 1.0 + self.weight.float()  # [hidden_size]
+        normed = _rms_normalize(x, self.eps) * scale  # [..., hidden_size]
         return normed.to(x.dtype)
 
     def extra_repr(self) -> str:

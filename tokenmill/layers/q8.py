@@ -97,3 +97,67 @@ def exact_q8_weight(weight: torch.Tensor) -> Q8Weight | None:
         return None
     groups = exact_q8_groups(weight)
     return None if groups is None else Q8Weight(*groups)
+
+
+# The largest |q| of a group by GGUF format: Q8_0's 127, and Q5_0's 16 (its group's largest value is
+# ``-16 d`` exactly: levels ``(q - 16) d`` with ``d = max / -16``).
+_LARGEST_LEVELS = (127, 16)
+# float16 neighbours of ``max|w| / largest`` tried as the scale (bfloat16 hides d's last 3 bits).
+_SCALE_STEPS = (0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8)
+
+
+def exact_small_level_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q [out, in] int8, scales [out, in / 32] float16)`` holding exactly ``weight``'s values in
+    this module's format, like :func:`exact_q8_groups`, for groups whose levels are any integers up
+    to 127 in magnitude: besides Q8_0 tensors, a Q5_0 tensor's groups (levels -16..15), which then
+    stream at 8.5 bits per weight instead of bfloat16's 16 (the kernel's values are the weight's:
+    not a quantization). Each group's scale is searched among the float16 neighbours of
+    ``max|w| / 127`` and ``max|w| / 16``. None when some group has no such form or the layout does
+    not fit (``in`` not a multiple of 32, a dtype other than bfloat16 / float32); the first row is
+    screened before the whole weight, so a weight of other values costs one row's search."""
+    if (
+        weight.dim() != 2
+        or weight.shape[1] % GROUP_SIZE
+        or weight.dtype not in (torch.bfloat16, torch.float32)
+    ):
+        return None
+    if _search_groups(weight[:1]) is None:
+        return None
+    return _search_groups(weight)
+
+
+def _search_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    out_features = weight.shape[0]
+    groups = weight.reshape(-1, GROUP_SIZE).float()  # [N, 32]
+    q = torch.zeros(groups.shape, dtype=torch.int8)  # [N, 32]
+    scales = torch.zeros(groups.shape[0], dtype=torch.float16)  # [N]
+    amax = groups.abs().amax(dim=1)  # [N]; an all-zero group keeps d = 0, q = 0
+    todo = torch.nonzero(amax > 0).flatten()  # [M] groups without a scale yet
+    for largest in _LARGEST_LEVELS:
+        guess = (amax[todo] / largest).to(torch.float16).view(torch.int16)  # [M]
+        for step in _SCALE_STEPS:
+            if todo.numel() == 0:
+                break
+            d = (guess + step).view(torch.float16).float()  # [M]
+            usable = torch.isfinite(d) & (d > 0)
+            safe = torch.where(usable, d, 1.0)[:, None]  # [M, 1]
+            values = groups[todo]  # [M, 32]
+            levels = torch.round(values / safe).clamp(-127, 127)  # [M, 32]
+            decoded = (levels * safe).to(weight.dtype).float()  # the kernel's value of each level
+            fits = usable & (decoded == values).all(dim=1)  # [M]
+            found = todo[fits]
+            q[found] = levels[fits].to(torch.int8)
+            scales[found] = d[fits].to(torch.float16)
+            todo, guess = todo[~fits], guess[~fits]
+    if todo.numel():
+        return None
+    return q.reshape(out_features, -1), scales.reshape(out_features, -1)
+
+
+def exact_small_level_weight(weight: torch.Tensor) -> Q8Weight | None:
+    """A :class:`Q8Weight` of :func:`exact_small_level_groups`, or None (no such form, not on CPU, or
+    the C++ kernels unavailable: then nothing changes)."""
+    if weight.device.type != "cpu" or load_error() is not None:
+        return None
+    groups = exact_small_level_groups(weight)
+    return None if groups is None else Q8Weight(*groups)

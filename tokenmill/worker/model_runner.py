@@ -105,7 +105,7 @@ class ModelRunner:
             if exact_int4:
                 description += f", the int4 kernel on {exact_int4} exactly 4-bit layers (lossless)"
             if exact_q8:
-                description += ", the LM head on its exact 8-bit groups (lossless)"
+                description += f", the 8-bit kernel on {exact_q8} exactly 8-bit layers and heads (lossless)"
         self.lora = self._make_lora(config)
         logger.info(
             "model %s (%s implementation: %s, %s) ready in %.1f s",
@@ -205,6 +205,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, LinearBase) and module.quantize_weights("int4", lossless_only=True) is None:
                 layers += 1
+            elif isinstance(module, LinearBase) and module.keep_exact_q8():
+                heads += 1  # a Q8_0 / Q5_0 projection (layers/q8.py)
             if isinstance(module, LMHead) and module.keep_exact_q8():
                 heads += 1
         return layers, heads

@@ -12,7 +12,9 @@ on other ShareGPT prompts than these).
 Each runs single stream (one request at a time) and ``--concurrency`` at once. For every method it
 prints output tok/s and the ratio to speculation off, mean TTFT, the mean accepted length (tokens a
 verified step yields per request: accepted drafts plus one, from ``/v1/admin/kv``) and whether every
-greedy output equals speculation off's.
+greedy output equals speculation off's. Concurrent greedy text can move with batch composition even
+without speculation (the method ``off-again`` measures that); ``--deterministic`` serves every method
+in the deterministic mode, where it may not.
 
     flock /tmp/tokenmill-bench.lock .venv/bin/python benchmarks/spec_decode.py
 """
@@ -34,6 +36,9 @@ from tokenmill.loader import resolve_model
 
 METHODS: dict[str, dict[str, Any] | None] = {
     "off": None,
+    # Speculation off again, on a fresh server: its "same" column shows how far greedy text moves with
+    # batch composition alone (bfloat16 rows computed in other groupings round differently).
+    "off-again": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
     # Without the confidence cut and the adaptive draft length: every draft found is verified.
     "ngram-fixed": {
@@ -133,6 +138,11 @@ def main() -> None:
         default=None,
         help="an EAGLE head folder (e.g. from `tokenmill train-eagle`): adds the method `eagle`",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="serve every method with --deterministic (batch-invariant: greedy text cannot move with the batch)",
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
     configs = dict(METHODS)
@@ -148,7 +158,7 @@ def main() -> None:
     print(f"speculative decoding, {args.model}, {cpu_name()}, tokenmill {git_describe()}")
     results: dict[tuple[str, str, str], dict[str, Any]] = {}
     for method in methods:
-        extra = ["--max-model-len", "2048"]
+        extra = ["--max-model-len", "2048"] + (["--deterministic"] if args.deterministic else [])
         if configs[method] is not None:
             extra += ["--speculative-config", json.dumps(configs[method])]
         with tokenmill(args.model, extra) as url:

@@ -530,8 +530,6 @@ class EngineConfig:
         self.data_parallel.validate()
         if self.speculative_config is not None:
             self.speculative_config.validate()
-            if self.deterministic:
-                raise ValueError("deterministic mode cannot be combined with speculative decoding yet")
         mem = self.cache.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")

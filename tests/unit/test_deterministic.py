@@ -131,6 +131,24 @@ def test_unseeded_random_requests_are_reproducible_and_siblings_differ(
     assert outputs[0].token_ids != outputs[1].token_ids
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_speculative_decoding_gives_the_bits_of_decoding_without_it(
+    model: tuple[TinyModel, dict[str, Any]], params: SamplingParams
+) -> None:
+    """With drafts from a draft model (the same tiny model: long runs accepted under greedy, some
+    rejected when sampling), a request's tokens and logprobs are those of the mode without
+    speculation, alone or among others: verified rows attend as decodes and each samples with its
+    own position's generator."""
+    tiny, _ = model
+    plain = run(make_llm(model, enable_prefix_caching=False), [PROBE], params)[0]
+    spec = {"method": "draft_model", "model": tiny.path, "num_speculative_tokens": 3}
+    llm = make_llm(model, enable_prefix_caching=False, speculative_config=spec)
+    assert run(llm, [PROBE], params)[0] == plain
+    assert run(llm, [*OTHERS[:8], PROBE], params)[8] == plain
+    stats = llm.engine.kv_stats()
+    assert 0 < stats["spec_num_accepted_tokens"] <= stats["spec_num_draft_tokens"]
+
+
 def test_the_command_line_turns_it_on() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

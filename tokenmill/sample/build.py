@@ -43,14 +43,17 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def position_generator(
-    entry: ScheduledRequest, default_seed: int, device: torch.device | str
+    entry: ScheduledRequest, default_seed: int, device: torch.device | str, row: int = 0
 ) -> torch.Generator:
-    """The deterministic mode's generator for a step of ``entry``: seeded from the request's seed (its
-    sibling's, see the scheduler; ``default_seed`` when the request has none) and the position of the
-    token it samples, so a draw depends on nothing but the request and the position: not on earlier
-    draws, preemption, jump-forward or the rest of the batch."""
+    """The deterministic mode's generator for sampling row ``row`` of ``entry`` (row ``j`` of a
+    drafted entry samples the token after draft ``j``; an undrafted entry has row 0 only): seeded
+    from the request's seed (its sibling's, see the scheduler; ``default_seed`` when the request has
+    none) and the position of the token the row samples, so a draw depends on nothing but the request
+    and the position: not on earlier draws, preemption, jump-forward, speculative drafts or the rest
+    of the batch."""
     seed = default_seed if entry.seed is None else entry.seed
-    mixed = (seed * 0x9E3779B97F4A7C15 + entry.end_position * 0xBF58476D1CE4E5B9) % 2**64
+    position = entry.end_position - len(entry.draft_token_ids) + row
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**64
     return make_generator(mixed, device)
 
 

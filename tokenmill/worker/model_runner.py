@@ -454,10 +454,20 @@ class ModelRunner:
                 rows = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
                 self._sample_plain(logits[rows], plain, output, grammar)
             rows = torch.tensor(drafted_rows, dtype=torch.long, device=logits.device)
-            verify_entries(logits[rows], drafted, self._generator_for, output, self.device, grammar)
+            verify_entries(logits[rows], drafted, self._row_generators, output, self.device, grammar)
         if self.proposer is not None:
             contexts = draft_contexts(entries, output, self.num_speculative_tokens)
             output.draft_token_ids = self.proposer.propose(contexts)
+
+    def _row_generators(self, entry: ScheduledRequest) -> list[torch.Generator | None]:
+        """The generators of a drafted entry's ``1 + len(drafts)`` sampling rows: in the deterministic
+        mode each row's own, seeded by the position it samples (so a row draws what plain sampling
+        at that position draws, however many drafts the step verified); else the request's one."""
+        num_rows = 1 + len(entry.draft_token_ids)
+        if self.config.deterministic:
+            seed = self.config.model.seed
+            return [position_generator(entry, seed, self.device, row) for row in range(num_rows)]
+        return [self._generator_for(entry)] * num_rows
 
     def _generator_for(self, entry: ScheduledRequest) -> torch.Generator | None:
         """The request's seeded generator (made on first use, kept until it finishes), advanced past

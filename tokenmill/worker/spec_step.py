@@ -22,7 +22,7 @@ from tokenmill.spec.proposer import DraftContext
 def verify_entries(
     logits: torch.Tensor,
     entries: list[ScheduledRequest],
-    generator_for: Callable[[ScheduledRequest], torch.Generator | None],
+    generators_for: Callable[[ScheduledRequest], list[torch.Generator | None]],
     output: ModelRunnerOutput,
     device: torch.device,
     grammar: GrammarBitmask | None,
@@ -30,10 +30,12 @@ def verify_entries(
     """Verify ``entries``' drafts against ``logits`` (``1 + len(drafts)`` rows per entry, in order)
     and record the tokens each keeps (``output.verified_token_ids``, first one also in
     ``sampled_token_ids``) and their logprobs when asked. A constrained entry's rows are masked with
-    its ``1 + len(drafts)`` consecutive rows of ``grammar``."""
+    its ``1 + len(drafts)`` consecutive rows of ``grammar``. ``generators_for(entry)`` gives each of
+    its rows' generators: the request's one generator on every row, or in the deterministic mode one
+    per row, seeded by the position the row samples."""
     rows: list[RowSamplingInput] = []
     for entry in entries:
-        generator = generator_for(entry)
+        generators = generators_for(entry)
         params = entry.sampling_params
         uses_outputs = (
             params.presence_penalty != 0.0
@@ -50,7 +52,7 @@ def verify_entries(
             rows.append(
                 RowSamplingInput(
                     params=params,
-                    generator=generator,
+                    generator=generators[j],
                     prompt_token_ids=entry.prompt_token_ids,
                     output_token_ids=outputs,
                     block_ids_for_min_tokens=forbidden,

@@ -318,6 +318,7 @@ class StepPlanData(msgspec.Struct, kw_only=True):
     interruptible: bool = False
     pausable: bool = False
     shared_sources: list[str] = []
+    propose_drafts: bool = True
 
 
 class ExecuteStep(msgspec.Struct, tag="execute", kw_only=True):

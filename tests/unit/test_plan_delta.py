@@ -58,6 +58,7 @@ def assert_same_plan(rebuilt: SchedulerOutput, plan: SchedulerOutput) -> None:
         "first_token_exclusive",
         "interruptible",
         "pausable",
+        "propose_drafts",
     ):
         assert getattr(rebuilt, name) == getattr(plan, name), name
     assert rebuilt.shared_sources == plan.shared_sources
@@ -208,11 +209,13 @@ def test_grammar_bitmasks_and_outputs_cross_the_wire_unchanged() -> None:
         grammar_bitmask=GrammarBitmask(rows={"b": 1, "a": 0}, bitmask=bitmask),
         pausable=True,
         shared_sources=["a"],
+        propose_drafts=False,
     )
     data = msgspec.msgpack.decode(msgspec.msgpack.encode(encoder.encode(plan)), type=StepPlanData)
     rebuilt = decoder.decode(data)
     assert rebuilt.grammar_bitmask is not None and rebuilt.grammar_bitmask.rows == {"b": 1, "a": 0}
     assert torch.equal(rebuilt.grammar_bitmask.bitmask, bitmask)
+    assert rebuilt.propose_drafts is False
     output = ModelRunnerOutput(
         sampled_token_ids={"a": 3},
         logprobs={"a": PositionLogprobs(token_ids=[3, 1], logprobs=[-0.1, -2.5], rank=1)},

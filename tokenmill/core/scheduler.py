@@ -221,6 +221,7 @@ class Scheduler:
             interruptible=interruptible,
             pausable=self.may_pause(plan),
             shared_sources=shared_sources,
+            propose_drafts=self.spec.propose_next,
         )
 
     def schedule_beside(self) -> SchedulerOutput:
@@ -481,6 +482,7 @@ class Scheduler:
         """Feed the measured wall time of ``plan``'s step (schedule to update) to the step-time model."""
         if not plan.is_empty:
             self.step_time.observe(plan.num_tokens, len(plan.scheduled), seconds)
+            self.spec.observe_step(plan, seconds)
         self.bounds.observe(plan, seconds)
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

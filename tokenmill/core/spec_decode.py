@@ -21,7 +21,11 @@ seconds for ``α^j`` expected tokens, so it is planned only while ``α^j > b·S 
 the fixed and per-sequence costs dominate and every draft pays; on a large, compute-bound batch the
 bound nears 1 and drafting stops. The model can only price a draft token once it has seen steps with
 drafts, so the first ``EXPLORE_STEPS`` steps that can draft, and one in every ``EXPLORE_EVERY`` after a
-run without drafts, plan drafts without the bound. Ints and floats only, no torch.
+run without drafts, plan drafts without the bound. The linear model cannot see everything a
+verifying step costs on a CPU (kernels whose cost grows per row, the drafter), so under adaptive
+drafting a measured gate (``core/spec_payoff.py``) also stops drafting for a batch-size class whose
+drafted decode steps yield fewer tokens per second than its plain ones. Ints and floats only, no
+torch.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.core.kv.manager import KVCacheManager
 from tokenmill.core.output_tokens import append_one
 from tokenmill.core.request import Request
-from tokenmill.core.step_io import ScheduledRequest
+from tokenmill.core.spec_payoff import DraftPayoff
+from tokenmill.core.step_io import ScheduledRequest, SchedulerOutput
 from tokenmill.core.step_time import StepTimeModel
 
 # The acceptance rate assumed for a request before any of its drafts was verified (and before any
@@ -49,7 +54,8 @@ class SpecDecodeState:
     method is a no-op and no drafts are planned.
 
     Contract: ``begin_step`` once per ``schedule``; ``num_drafts_to_plan`` for each running request
-    planned; ``apply_verified`` once per verified entry, before the request may finish.
+    planned; ``apply_verified`` once per verified entry, before the request may finish;
+    ``observe_step`` with each executed step's measured time, after its ``apply_verified`` calls.
     """
 
     def __init__(self, config: SpeculativeConfig | None, step_time: StepTimeModel) -> None:
@@ -65,6 +71,12 @@ class SpecDecodeState:
         k = 0 if config is None else config.num_speculative_tokens
         self.proposed_at = [0] * k  # per draft position: drafts verified there
         self.accepted_at = [0] * k  # per draft position: drafts accepted there
+        self.payoff = DraftPayoff()
+        self._paused = False  # the gate stopped drafting for the step being planned
+        # The gate's decision for the next step, made a step ahead so that the runner drafts (after
+        # sampling this step) only for a step that will verify drafts: the plan's ``propose_drafts``.
+        self.propose_next = True
+        self._step_accepted = 0  # drafts accepted since the last observed step
 
     def check_request(self, request: Request) -> None:
         """Refuse (ValueError) a request whose features do not compose with speculative decoding yet."""
@@ -81,8 +93,12 @@ class SpecDecodeState:
             self.steps_since_drafted += 1
         self._step_drafted = False
         self.draft_cost_bound = 0.0
+        self._paused = False
         if self.config is None or not self.config.adaptive or num_running == 0:
+            self.propose_next = True
             return
+        self._paused = not self.propose_next
+        self.propose_next = self.payoff.should_draft(num_running)
         if self.num_drafted_steps < EXPLORE_STEPS or self.steps_since_drafted >= EXPLORE_EVERY:
             return
         fit = self.step_time.coefficients
@@ -99,6 +115,8 @@ class SpecDecodeState:
         and under adaptive drafting only those whose expected acceptance pays for them."""
         drafts = request.draft_token_ids
         if self.config is None or not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        if self._paused:
             return 0
         limit = min(len(drafts), request.max_tokens - request.num_output_tokens - 1)
         if limit > 0 and request.grammar is not None:
@@ -154,7 +172,20 @@ class SpecDecodeState:
         self._count(request, num_drafts, num_accepted)
         return appended, stopped
 
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """Feed a decode-only step's tokens per second to the drafting gate (``core/spec_payoff.py``):
+        one token per entry plus the drafts accepted since the last observed step. Steps with prompt
+        tokens are not observed."""
+        accepted, self._step_accepted = self._step_accepted, 0
+        if self.config is None or not self.config.adaptive or not plan.scheduled:
+            return
+        if any(e.start_position < len(e.prompt_token_ids) or not e.sample for e in plan.scheduled):
+            return
+        drafted = any(e.draft_token_ids for e in plan.scheduled)
+        self.payoff.observe(len(plan.scheduled), len(plan.scheduled) + accepted, drafted, seconds)
+
     def _count(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self._step_accepted += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted

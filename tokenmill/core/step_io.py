@@ -102,6 +102,9 @@ class SchedulerOutput:
     # Requests whose blocks computed in this step other requests of it attend to (same-step prefix
     # sharing): the step's keys and values must be written before those requests attend.
     shared_sources: list[str] = field(default_factory=list)
+    # Whether the runner drafts for the next step after sampling this one: speculative decoding's
+    # measured gate pauses drafting where it does not pay, drafter included (core/spec_payoff.py).
+    propose_drafts: bool = True
 
     @property
     def num_tokens(self) -> int:

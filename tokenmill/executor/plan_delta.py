@@ -95,6 +95,7 @@ class PlanEncoder:
             interruptible=plan.interruptible,
             pausable=plan.pausable,
             shared_sources=list(plan.shared_sources),
+            propose_drafts=plan.propose_drafts,
         )
 
     def _send_in_full(self, entry: ScheduledRequest) -> NewRequestData:
@@ -188,6 +189,7 @@ class PlanDecoder:
             interruptible=data.interruptible,
             pausable=data.pausable,
             shared_sources=data.shared_sources,
+            propose_drafts=data.propose_drafts,
         )
 
     def _apply(self, delta: CachedRequestData) -> ScheduledRequest:

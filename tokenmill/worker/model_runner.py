@@ -398,7 +398,13 @@ class ModelRunner:
             return output
         num_sampling = sum(1 + len(entry.draft_token_ids) for entry in sample_entries)
         if num_sampling:
-            self._sample(logits[:num_sampling], sample_entries, output, step.plan.grammar_bitmask)
+            self._sample(
+                logits[:num_sampling],
+                sample_entries,
+                output,
+                step.plan.grammar_bitmask,
+                step.plan.propose_drafts,
+            )
         offset = num_sampling
         for request_id, targets, num_top in prompt_rows:
             rows = logits[offset : offset + len(targets)]
@@ -434,10 +440,13 @@ class ModelRunner:
         entries: list[ScheduledRequest],
         output: ModelRunnerOutput,
         grammar: GrammarBitmask | None,
+        propose: bool = True,
     ) -> None:
         """Sample ``entries`` from their rows of ``logits`` (one per entry, ``1 + len(drafts)`` for an
         entry with drafts, in order): plain rows through the sampler, drafted ones through the
-        rejection sampler; then draft for the next step."""
+        rejection sampler; then, when ``propose`` (the plan's ``propose_drafts``), draft for the
+        next step (a hidden-state drafter has recorded this step's features either way, and catches
+        up over them when it drafts again)."""
         drafted = [entry for entry in entries if entry.draft_token_ids]
         if not drafted:
             self._sample_plain(logits, entries, output, grammar)
@@ -455,7 +464,7 @@ class ModelRunner:
                 self._sample_plain(logits[rows], plain, output, grammar)
             rows = torch.tensor(drafted_rows, dtype=torch.long, device=logits.device)
             verify_entries(logits[rows], drafted, self._row_generators, output, self.device, grammar)
-        if self.proposer is not None:
+        if self.proposer is not None and propose:
             contexts = draft_contexts(entries, output, self.num_speculative_tokens)
             output.draft_token_ids = self.proposer.propose(contexts)
 

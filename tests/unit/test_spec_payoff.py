@@ -1,0 +1,109 @@
+"""The measured drafting gate (core/spec_payoff.py) and its use by the scheduler's speculative state:
+a batch-size class whose drafted decode steps yield fewer tokens per second than its plain ones stops
+drafting, re-measuring one step in every ``explore_every``; prompt steps are not measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.core.request import Request
+from tokenmill.core.spec_decode import SpecDecodeState
+from tokenmill.core.spec_payoff import DraftPayoff
+from tokenmill.core.step_io import ScheduledRequest, SchedulerOutput
+from tokenmill.core.step_time import StepTimeModel
+from tokenmill.protocol import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+
+def measured(drafted_rate: float, plain_rate: float, num_seqs: int = 1, **kwargs: int) -> DraftPayoff:
+    """A gate with ``min_samples`` steps of each side at these tokens per second (``num_seqs`` class)."""
+    payoff = DraftPayoff(**kwargs)
+    for _ in range(payoff.min_samples):
+        payoff.observe(num_seqs, round(drafted_rate), drafted=True, seconds=1.0)
+        payoff.observe(num_seqs, round(plain_rate), drafted=False, seconds=1.0)
+    return payoff
+
+
+def test_steps_alternate_until_both_sides_are_measured() -> None:
+    payoff = DraftPayoff(min_samples=2)
+    decisions = []
+    for _ in range(4):
+        draft = payoff.should_draft(3)
+        decisions.append(draft)
+        payoff.observe(3, 3, drafted=draft, seconds=0.01)
+    assert decisions == [True, False, True, False]
+
+
+def test_a_losing_side_is_taken_only_to_re_measure_it() -> None:
+    payoff = measured(drafted_rate=50, plain_rate=100, explore_every=8)
+    decisions = [payoff.should_draft(1) for _ in range(16)]
+    assert decisions == [i % 8 == 7 for i in range(16)]  # the 8th and 16th decisions explore
+    assert payoff.rates() == {1: (50.0, 100.0)}
+    winning = measured(drafted_rate=150, plain_rate=100, explore_every=8)
+    assert [winning.should_draft(1) for _ in range(8)] == [True] * 7 + [False]
+
+
+def test_classes_are_measured_apart_and_a_change_is_followed() -> None:
+    payoff = measured(drafted_rate=50, plain_rate=100, num_seqs=16)
+    assert payoff.should_draft(1)  # the single-stream class has seen nothing: it explores
+    assert not payoff.should_draft(20)  # 16..31 share a class
+    for _ in range(10):  # drafting became worth it (say, copying began)
+        payoff.observe(17, 300, drafted=True, seconds=1.0)
+    assert payoff.should_draft(16)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="explore_every >= 2"):
+        DraftPayoff(explore_every=1)
+
+
+def entry(prompt_len: int, start: int, drafts: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=f"r{start}",
+        token_ids=[5] * (1 + len(drafts)),
+        start_position=start,
+        block_table=[0, 1, 2, 3],
+        sample=True,
+        sampling_params=SamplingParams(),
+        prompt_token_ids=[5] * prompt_len,
+        output_token_ids=[5] * (start - prompt_len + 1),
+        forbidden_token_ids=[],
+        prompt_logprobs_range=None,
+        seed=None,
+        draft_token_ids=drafts,
+    )
+
+
+def test_the_scheduler_state_drafts_only_where_drafting_measured_faster() -> None:
+    """The gate decides a step ahead (``propose_next``, the plan's ``propose_drafts``): the runner
+    drafts only for a step that will verify drafts. Once drafted steps measure slower, the state
+    neither plans drafts nor asks for them (up to the next exploring step)."""
+    state = SpecDecodeState(SpeculativeConfig(num_speculative_tokens=4), StepTimeModel())
+    core_request = EngineCoreRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=32)
+    )
+    request = Request(core_request, max_model_len=64)
+    request.num_computed_tokens = 2
+    drafted_plan = SchedulerOutput(scheduled=[entry(3, 4, [9, 9, 9])])
+    plain_plan = SchedulerOutput(scheduled=[entry(3, 5, [])])
+    prompt_plan = SchedulerOutput(scheduled=[entry(8, 4, [])])  # a prompt's last token: not measured
+
+    def step() -> tuple[int, bool]:
+        """One step: drafts exist when the previous plan asked for them; drafted steps take 30 ms
+        for one token (~33 tokens/s), plain ones 10 ms (100 tokens/s)."""
+        request.draft_token_ids = [4, 5, 6, 7] if state.propose_next else []
+        state.begin_step(num_running=1)
+        planned = state.num_drafts_to_plan(request)
+        state.observe_step(drafted_plan if planned else plain_plan, 0.030 if planned else 0.010)
+        state.observe_step(prompt_plan, 1.0)
+        return planned, state.propose_next
+
+    first = [step() for _ in range(16)]
+    assert {planned for planned, _ in first} == {0, 4}
+    assert state.payoff.rates() == {1: (pytest.approx(1 / 0.030), pytest.approx(100.0))}
+    assert [step() for _ in range(8)] == [(0, False)] * 8
+    fixed = SpecDecodeState(SpeculativeConfig(num_speculative_tokens=4, adaptive=False), StepTimeModel())
+    request.draft_token_ids = [4, 5, 6, 7]
+    fixed.begin_step(num_running=1)
+    assert fixed.num_drafts_to_plan(request) == 4 and fixed.propose_next  # adaptive off: no gate

@@ -65,4 +65,5 @@ def test_lower_path_compiles_without_the_features_above_it(monkeypatch: pytest.M
             assert flags == ("-march=native",)  # the best path shares the default build
         assert environment.items() <= cpu_isa.torch_environment().items()
         assert cpu_isa.bfloat16_instructions() == (choice != "avx2")
+        assert cpu_isa.bfloat16_kernels() == (choice in (None, "amx", "avx512_bf16"))
     cpu_isa.cpu_isa.cache_clear()

@@ -24,10 +24,21 @@ def test_auto_is_bfloat16_only_where_the_cpu_computes_it(
     native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(model_runner, "cpu_computes_bfloat16", lambda: native)
+    monkeypatch.setattr(model_runner, "bfloat16_kernels", lambda: True)
     with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
         assert resolve_dtype("auto", CPU) == (torch.bfloat16 if native else torch.float32)
         assert resolve_dtype("float32", CPU) == torch.float32
     assert caplog.records == []
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_auto_is_float32_on_a_path_without_our_bfloat16_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The avx512 path (AVX-512 without BF16): oneDNN computes bfloat16, but the int4 and 8-bit
+    kernels' bfloat16 vector paths are not built there, so auto takes float32 (their float32 kernels)."""
+    monkeypatch.setattr(model_runner, "cpu_computes_bfloat16", lambda: True)
+    monkeypatch.setattr(model_runner, "bfloat16_kernels", lambda: False)
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16  # explicit: kept
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 

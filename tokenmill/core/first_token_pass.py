@@ -60,5 +60,5 @@ def split_first_tokens(
     first_plan = replace(
         plan, scheduled=first, grammar_bitmask=None, shared_sources=list(plan.shared_sources)
     )
-    rest_plan = SchedulerOutput(scheduled=rest)
+    rest_plan = SchedulerOutput(scheduled=rest, propose_drafts=plan.propose_drafts)
     return first_plan, rest_plan

@@ -94,6 +94,7 @@ class SpecDecodeState:
         self._step_drafted = False
         self.draft_cost_bound = 0.0
         self._paused = False
+        self._step_accepted = 0  # a paused pass's step is updated but never observed: start afresh
         if self.config is None or not self.config.adaptive or num_running == 0:
             self.propose_next = True
             return

@@ -15,8 +15,10 @@ What each path uses (the kernels' own ``#if`` blocks decide; this table is their
   up; AVX-512 BF16 vectors elsewhere.
 - ``avx512_bf16``: the same kernels on AVX-512 vectors with ``vdpbf16ps`` bfloat16 dot products.
 - ``avx512``: AVX-512 vectors, no bfloat16 instructions: the bfloat16-only kernels (prefill
-  attention, the int4 and 8-bit group products' vector paths) are not built, their portable loops
-  or the torch reference run instead.
+  attention, the int4 and 8-bit group products' vector paths) are not built, so ``--dtype auto`` is
+  float32 (:func:`bfloat16_kernels`), whose int4 rows take the AVX2/FMA float32 kernels; an explicit
+  bfloat16 runs the portable loops (a quantized SmolLM2 decodes at ~8 tok/s that way, ~135 in
+  float32, measured on a Zen 4 held to this path).
 - ``avx2``: 8-lane AVX2/FMA vectors; ``--dtype auto`` is float32 (oneDNN has no bfloat16 there),
   float32 panel products and the float32 prefill attention kernel.
 """
@@ -123,6 +125,13 @@ def bfloat16_instructions() -> bool:
     """Whether the path computes bfloat16 in hardware for oneDNN (every AVX-512 path; AMX): False on
     ``avx2``, where ``--dtype auto`` is float32."""
     return cpu_isa() in ("amx", "avx512_bf16", "avx512")
+
+
+def bfloat16_kernels() -> bool:
+    """Whether tokenmill's own bfloat16 vector kernels (int4 and 8-bit group products, prefill
+    attention) are built on this path: ``amx`` and ``avx512_bf16`` (and off x86, where torch's own
+    kernels decide); not ``avx512`` or ``avx2``, where ``--dtype auto`` is float32."""
+    return cpu_isa() in (None, "amx", "avx512_bf16")
 
 
 def cpu_model_name() -> str:

@@ -28,7 +28,7 @@ from tokenmill.layers.attention import SequenceStep, select_backend
 from tokenmill.layers.attention.deterministic import DeterministicBackend
 from tokenmill.layers.batch_invariant import make_batch_invariant
 from tokenmill.layers.cpu_gemm import cpu_computes_bfloat16
-from tokenmill.layers.cpu_isa import apply_torch_environment
+from tokenmill.layers.cpu_isa import apply_torch_environment, bfloat16_kernels
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.forward_batch import ForwardBatch
@@ -63,8 +63,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 where the hardware computes it natively, float32 elsewhere. An explicit
-    bfloat16 on a CPU without bfloat16 instructions is kept, with a warning that it is slow there."""
+    """``auto`` is bfloat16 where the hardware computes it natively and (on a CPU) the kernels' path
+    has our bfloat16 kernels (``cpu_isa.bfloat16_kernels``: not on ``avx512`` without BF16), float32
+    elsewhere. An explicit bfloat16 on a CPU without bfloat16 instructions is kept, with a warning
+    that it is slow there."""
     native_bf16 = device.type == "cuda" or cpu_computes_bfloat16()
     if name != "auto":
         if name == "bfloat16" and not native_bf16:
@@ -74,6 +76,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
                 "(--dtype auto picks float32 on such a CPU)"
             )
         return _DTYPES[name]
+    if device.type == "cpu" and not bfloat16_kernels():
+        return torch.float32
     return torch.bfloat16 if native_bf16 else torch.float32
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.layers.batch_invariant import invariant_product
 from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
-from tokenmill.layers.q8 import Q8Weight, exact_small_level_weight
+from tokenmill.layers.q8 import Q8Weight, exact_q8_weight, exact_small_level_groups
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 
@@ -98,7 +98,7 @@ class LinearBase(nn.Module):
         weight is unchanged. Returns whether it did."""
         if self.int4_weight is not None or self.int8_weight is not None:
             return False
-        self.q8_weight = exact_small_level_weight(self.weight.data)
+        self.q8_weight = exact_q8_weight(self.weight.data, exact_small_level_groups)
         return self.q8_weight is not None
 
     def prepare_for_inference(self) -> None:

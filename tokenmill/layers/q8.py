@@ -14,6 +14,7 @@ and multiplies it with every input row (bfloat16 dot products, float32 accumulat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,12 +91,17 @@ class Q8Weight:
         return torch.ops.tokenmill.q8_linear(x, self.q, self.scales)  # [rows, out_features]
 
 
-def exact_q8_weight(weight: torch.Tensor) -> Q8Weight | None:
-    """A :class:`Q8Weight` holding exactly ``weight``'s values, or None when it has no such form or the
-    C++ kernels are unavailable (then nothing changes: this is not an opt-in mode)."""
+def exact_q8_weight(
+    weight: torch.Tensor,
+    find_groups: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] = exact_q8_groups,
+) -> Q8Weight | None:
+    """A :class:`Q8Weight` holding exactly ``weight``'s values as ``find_groups`` finds them
+    (:func:`exact_q8_groups`, or :func:`exact_small_level_groups`), or None when it has no such form,
+    is not on the CPU or the C++ kernels are unavailable (then nothing changes: this is not an opt-in
+    mode)."""
     if weight.device.type != "cpu" or load_error() is not None:
         return None
-    groups = exact_q8_groups(weight)
+    groups = find_groups(weight)
     return None if groups is None else Q8Weight(*groups)
 
 
@@ -152,12 +158,3 @@ def _search_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     if todo.numel():
         return None
     return q.reshape(out_features, -1), scales.reshape(out_features, -1)
-
-
-def exact_small_level_weight(weight: torch.Tensor) -> Q8Weight | None:
-    """A :class:`Q8Weight` of :func:`exact_small_level_groups`, or None (no such form, not on CPU, or
-    the C++ kernels unavailable: then nothing changes)."""
-    if weight.device.type != "cpu" or load_error() is not None:
-        return None
-    groups = exact_small_level_groups(weight)
-    return None if groups is None else Q8Weight(*groups)

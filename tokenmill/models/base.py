@@ -21,6 +21,16 @@ from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.step_control import LayerProgress
 
 
+def prepare_for_inference(model: nn.Module) -> None:
+    """Run every module's ``prepare_for_inference`` (packed weights, derived tensors, fused stacks),
+    children first: a parent collects what its children prepared (a model's fused stack reads its
+    layers' packed weights)."""
+    for module in reversed(list(model.modules())):
+        prepare = getattr(module, "prepare_for_inference", None)
+        if prepare is not None:
+            prepare()
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The per-layer paged cache a model attends over: ``[num_planes, num_blocks, block_size,

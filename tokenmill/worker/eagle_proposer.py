@@ -13,7 +13,7 @@ import logging
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.models.base import CausalLM
+from tokenmill.models.base import CausalLM, prepare_for_inference
 from tokenmill.models.eagle import EagleHead, eagle3_aux_layers, read_head_checkpoint
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.worker.hidden_drafter import HiddenStateProposer
@@ -45,13 +45,10 @@ class EagleProposer(HiddenStateProposer):
                 f"speculative method {spec.method!r} but {spec.model!r} holds an {head.layout} head "
                 f"(EAGLE-1: method 'eagle'; EAGLE-3: method 'eagle3')"
             )
-        # Pack the head's weights for the CPU matmul kernels, as the runner does the target's (children
-        # first; the target's embedding and LM head are not the head's modules): about half the time of
-        # a one-row draft step against plain F.linear on bf16 weights.
-        for module in reversed(list(head.modules())):
-            prepare = getattr(module, "prepare_for_inference", None)
-            if prepare is not None:
-                prepare()
+        # Pack the head's weights for the CPU matmul kernels, as the runner does the target's (the
+        # target's embedding and LM head are not the head's modules): about half the time of a one-row
+        # draft step against plain F.linear on bf16 weights.
+        prepare_for_inference(head)
         self.head_module = head
         if head.eagle3:
             self.aux_layers = eagle3_aux_layers(head_config, target.args.num_layers)

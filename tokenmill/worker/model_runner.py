@@ -37,6 +37,7 @@ from tokenmill.layers.quantization import check_quantization
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.loader import ModelSource
 from tokenmill.lora.manager import LoRAManager
+from tokenmill.models.base import prepare_for_inference
 from tokenmill.protocol import PositionLogprobs
 from tokenmill.sample.build import (
     RowSamplingInput,
@@ -167,11 +168,7 @@ class ModelRunner:
             kind is None
         )  # the deterministic mode runs them on their row kernels (batch_invariant.py)
         exact_int4, exact_q8 = self._keep_exact_copies() if keep_exact else (0, 0)
-        # Children first: the model's own step collects what its layers prepared (packed weights).
-        for module in reversed(list(self.model.modules())):
-            prepare = getattr(module, "prepare_for_inference", None)
-            if prepare is not None:
-                prepare()
+        prepare_for_inference(self.model)
         if self.config.deterministic:
             make_batch_invariant(self.model)
         return quantized, exact_int4, exact_q8

@@ -2,8 +2,9 @@
 
 For SmolLM2-135M's shapes and 1..128 input rows, prints microseconds per call and the rate at which
 each kernel streams its own weight format (GB/s of packed int4 with its scales, of bfloat16, of int8
-with its row scales). int4 is measured twice: the row kernel (one dot product per row and group) and,
-where the CPU grants AMX, the tile kernel (16 rows per tile product). Each shape is measured over enough DISTINCT weights that the int4 copies alone
+with its row scales). int4 is measured up to three times: the row kernel (one dot product per row and group), on CPUs with
+AVX512-BF16 the level-sums kernel (two groups per vector; up to its 8 rows) and, where the CPU grants
+AMX, the tile kernel (16 rows per tile product). Each shape is measured over enough DISTINCT weights that the int4 copies alone
 exceed ``--working-set-mb`` (a single weight reused in a loop stays in the caches and overstates the
 rate), cycling through them like a model's layers. The rows at which the tiles overtake the row kernel
 set ``kTilesFromRows`` in csrc/int4_gemm_cpu.cpp, and those at which oneDNN overtakes the int4 kernels
@@ -22,7 +23,16 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.layers.cpu_gemm import pack_weight, packed_linear
-from tokenmill.layers.int4 import METHOD_ROWS, METHOD_TILES, int4_has_tiles, int4_linear, quantize_int4
+from tokenmill.layers.int4 import (
+    INT4_PAIRS_MAX_ROWS,
+    METHOD_PAIRS,
+    METHOD_ROWS,
+    METHOD_TILES,
+    int4_has_tiles,
+    int4_linear,
+    int4_pairs_available,
+    quantize_int4,
+)
 
 SHAPES = {
     "qkv 576->960": (960, 576),
@@ -61,7 +71,9 @@ def main() -> None:
 
     print(f"{args.threads} threads; per call: microseconds, GB/s of the kernel's own weight format")
     tiles = int4_has_tiles()
-    columns = ["int4 rows", *(["int4 tiles"] if tiles else []), "oneDNN bf16", "int8pack_mm"]
+    pairs = int4_pairs_available()
+    columns = ["int4 rows", *(["int4 sums"] if pairs else []), *(["int4 tiles"] if tiles else [])]
+    columns += ["oneDNN bf16", "int8pack_mm"]
     print(f"{'shape':<20} {'rows':>4}  " + "  ".join(f"{c:>16}" for c in columns))
     for name in args.shapes:
         out_features, in_features = SHAPES[name]
@@ -78,6 +90,7 @@ def main() -> None:
         sizes = {
             "int4 rows": int4_bytes,
             "int4 tiles": int4_bytes,
+            "int4 sums": int4_bytes,
             "bf16": out_features * in_features * 2,
             "int8": out_features * (in_features + 2),
         }
@@ -85,14 +98,20 @@ def main() -> None:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)  # [rows, in_features]
             kernels: dict[str, list[Callable[[], torch.Tensor]]] = {
                 "int4 rows": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_ROWS) for q in int4_weights],
+                "int4 sums": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_PAIRS) for q in int4_weights],
                 "int4 tiles": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_TILES) for q in int4_weights],
                 "bf16": [lambda p=p, x=x: packed_linear(x, p, None) for p in bf16_packed],
                 "int8": [lambda w=w, x=x: torch._weight_int8pack_mm(x, *w) for w in int8_weights],
             }
             if not tiles:
                 del kernels["int4 tiles"]
+            if not pairs:
+                del kernels["int4 sums"]
             cells = []
             for kind, calls in kernels.items():
+                if kind == "int4 sums" and rows > INT4_PAIRS_MAX_ROWS:
+                    cells.append("-")
+                    continue
                 seconds = time_per_call(calls, args.repeats)
                 cells.append(f"{seconds * 1e6:7.1f} us {sizes[kind] / seconds / 1e9:4.1f}")
             print(f"{name:<20} {rows:>4}  " + "  ".join(f"{cell:>16}" for cell in cells), flush=True)

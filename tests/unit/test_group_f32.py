@@ -59,7 +59,7 @@ def test_int4_kernel_on_float32_rows_equals_the_product_with_the_float32_values(
     bias = torch.randn(out_features)
     got = int4_linear(wide[:, :in_features], packed, scales, mins, bias)
     assert torch.allclose(got, wide[:, :in_features] @ weight.T + bias, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="tile path takes bfloat16 rows"):
+    with pytest.raises(RuntimeError, match="tile and level-sums kernels take bfloat16 rows"):
         int4_linear(x_all[:1], packed, scales, mins, None, 2)
 
 

@@ -12,13 +12,17 @@ from tokenmill.layers import int4 as int4_module
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.int4 import (
     INT4_MAX_ROWS,
+    INT4_PAIRS_MAX_ROWS,
+    METHOD_PAIRS,
     METHOD_ROWS,
     METHOD_TILES,
+    dequantize_int4_float32,
     dequantize_int4_reference,
     int4_dequantize,
     int4_has_tiles,
     int4_linear,
     int4_max_rows,
+    int4_pairs_available,
     quantize_int4,
 )
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear
@@ -96,6 +100,7 @@ def test_dequantize_op_is_bit_identical_to_the_torch_formula(shape: tuple[int, i
 # of 16, its passes of 2 row blocks over a pair of output blocks and of 4 over a lone last block (37
 # outputs: a pair and a block of 5), and the auto choice at 6 rows.
 ROW_COUNTS = [*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 130]
+# The kernels that compute with the bfloat16 weight (auto: above the level-sums kernel's rows).
 METHODS = [0, METHOD_ROWS, METHOD_TILES] if int4_has_tiles() else [0, METHOD_ROWS]
 
 
@@ -108,6 +113,8 @@ def test_kernel_equals_the_product_with_the_dequantized_weight(shape: tuple[int,
     dequantized = int4_dequantize(packed, scales, mins).float()  # [out, in]
     x_all = torch.randn(max(ROW_COUNTS), in_features, dtype=BF16)
     for rows in ROW_COUNTS:
+        if method == 0 and rows <= INT4_PAIRS_MAX_ROWS and int4_pairs_available():
+            continue  # the level-sums kernel's rows: test_level_sums_kernel_...
         x = x_all[:rows]
         expected = (x.float() @ dequantized.T).to(BF16).float()  # [rows, out]
         got = int4_linear(x, packed, scales, mins, None, method)
@@ -115,11 +122,58 @@ def test_kernel_equals_the_product_with_the_dequantized_weight(shape: tuple[int,
         # Float32 accumulation in another order, then one bfloat16 rounding each: 1 ulp of bf16 apart.
         assert torch.allclose(got.float(), expected, rtol=2**-7, atol=1e-5), rows
     # A strided view of rows (contiguous features), and a bias.
-    wide = torch.randn(3, in_features * 2, dtype=BF16)
+    wide = torch.randn(INT4_PAIRS_MAX_ROWS + 1, in_features * 2, dtype=BF16)
     bias = torch.randn(out_features, dtype=BF16)
     got = int4_linear(wide[:, :in_features], packed, scales, mins, bias, method).float()
     expected = wide[:, :in_features].float() @ dequantized.T + bias.float()
     assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def _exact_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """``(x @ W.T in float64 for the exact weight values d * q + m, the sum of |x| |W| per output)``."""
+    weight = dequantize_int4_float32(packed, scales, mins).double()  # [out, in], exact values
+    return x.double() @ weight.T, x.double().abs() @ weight.abs().T  # [rows, out] each
+
+
+@pytest.mark.skipif(not int4_pairs_available(), reason="the level-sums kernel needs AVX512-BF16")
+@pytest.mark.parametrize("shape", [(960, 576), (37, 64), (1, 32), (33, 96), (50, 544), (576, 1536)])
+def test_level_sums_kernel_computes_with_the_exact_weight_values(shape: tuple[int, int]) -> None:
+    """Up to its 8 rows the auto choice is the level-sums kernel: d * sum(x q) + m * sum(x) per group, the
+    exact values d * q + m (no bfloat16 rounding of the weight), float32 sums, one bfloat16 rounding of
+    the result. Odd group counts (1, 3, 17) take its lone-last-group path. A row's bits do not depend on
+    the step's other rows."""
+    out_features, in_features = shape
+    weight = torch.randn(shape, dtype=BF16) / in_features**0.5 + 0.01
+    packed, scales, mins = quantize_int4(weight)
+    x_all = torch.randn(INT4_PAIRS_MAX_ROWS, in_features, dtype=BF16)
+    alone = int4_linear(x_all[:1], packed, scales, mins, None, METHOD_PAIRS)  # [1, out]
+    for rows in range(1, INT4_PAIRS_MAX_ROWS + 1):
+        x = x_all[:rows]
+        got = int4_linear(x, packed, scales, mins, None, METHOD_PAIRS)
+        assert torch.equal(int4_linear(x, packed, scales, mins, None), got)  # auto picks it
+        assert torch.equal(got[:1], alone)
+        exact, magnitude = _exact_product(x, packed, scales, mins)
+        # One bfloat16 rounding of the result, and float32 sums' error relative to sum |x w|.
+        error = (got.double() - exact).abs()
+        assert bool((error <= 2**-8 * exact.abs() + 2**-16 * magnitude).all()), rows
+    wide = torch.randn(3, in_features * 2, dtype=BF16)
+    bias = torch.randn(out_features, dtype=BF16)
+    got = int4_linear(wide[:, :in_features], packed, scales, mins, bias, METHOD_PAIRS).double()
+    exact, magnitude = _exact_product(wide[:, :in_features], packed, scales, mins)
+    assert bool(((got - exact - bias.double()).abs() <= 2**-7 * (exact.abs() + 1) + 2**-16 * magnitude).all())
+
+
+def test_the_level_sums_kernel_takes_its_rows_and_is_refused_elsewhere() -> None:
+    packed, scales, mins = quantize_int4(torch.randn(16, 64, dtype=BF16))
+    x = torch.randn(INT4_PAIRS_MAX_ROWS + 1, 64, dtype=BF16)
+    if not int4_pairs_available():
+        with pytest.raises(RuntimeError, match="the int4 level-sums kernel needs AVX512-BF16"):
+            int4_linear(x[:1], packed, scales, mins, None, METHOD_PAIRS)
+        return
+    with pytest.raises(RuntimeError, match="and 1 to 8 rows"):
+        int4_linear(x, packed, scales, mins, None, METHOD_PAIRS)
+    with pytest.raises(RuntimeError, match="take bfloat16 rows, not float32"):
+        int4_linear(x[:1].float(), packed, scales, mins, None, METHOD_PAIRS)
 
 
 def test_the_tile_kernel_is_used_where_amx_is_granted_and_refused_elsewhere() -> None:
@@ -127,16 +181,17 @@ def test_the_tile_kernel_is_used_where_amx_is_granted_and_refused_elsewhere() ->
     x = torch.randn(8, 64, dtype=BF16)
     if int4_has_tiles():
         assert int4_max_rows() == 128
-        rows_kernel = int4_linear(x, packed, scales, mins, None, METHOD_ROWS)
         tiles = int4_linear(x, packed, scales, mins, None, METHOD_TILES)
         assert torch.equal(int4_linear(x, packed, scales, mins, None), tiles)  # auto picks tiles at 8 rows
-        assert torch.equal(int4_linear(x[:1], packed, scales, mins, None), rows_kernel[:1])  # rows at 1
+        small = METHOD_PAIRS if int4_pairs_available() else METHOD_ROWS  # at 1 row: level sums or rows
+        one_row = int4_linear(x[:1], packed, scales, mins, None)
+        assert torch.equal(one_row, int4_linear(x[:1], packed, scales, mins, None, small))
     else:
         assert int4_max_rows() == INT4_MAX_ROWS
         with pytest.raises(RuntimeError, match="the int4 tile path needs AMX"):
             int4_linear(x, packed, scales, mins, None, METHOD_TILES)
     with pytest.raises(RuntimeError, match="method must be 0"):
-        int4_linear(x, packed, scales, mins, None, 3)
+        int4_linear(x, packed, scales, mins, None, 4)
 
 
 def test_kernel_rejects_bad_shapes() -> None:

@@ -1,7 +1,7 @@
 // The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
 // them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
 // fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear; float32 rows in
-// group_gemm_f32_cpu.cpp), f32_gemm_cpu.cpp
+// group_gemm_f32_cpu.cpp, a few bfloat16 rows in int4_pairs_cpu.cpp), f32_gemm_cpu.cpp
 // (float32 panel linear), paged_attention_cpu.cpp (KV write, decode attention), prefill_attention_cpu.cpp
 // and prefill_attention_f32_cpu.cpp (prompt chunks).
 #pragma once
@@ -25,6 +25,12 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method);
+// The int4 level-sums kernel (int4_pairs_cpu.cpp): built with AVX512-BF16; 1 to int4_pairs_max_rows() bfloat16
+// rows whose format the caller checked.
+bool int4_pairs_available();
+int64_t int4_pairs_max_rows();
+at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const at::Tensor& mins);
 // float32 rows times int4 / exact 8-bit groups (group_gemm_f32_cpu.cpp); the formats checked by the caller.
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);

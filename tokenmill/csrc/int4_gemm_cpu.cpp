@@ -378,12 +378,20 @@ void dequantize_rows(const uint8_t* packed, const c10::Half* scales, const c10::
 #endif
 
 // Which kernel multiplies: kAuto picks the tile path from kTilesFromRows rows when the CPU and the OS
-// allow AMX, else the row kernel; kRows and kTiles force one (tests compare both with the reference;
-// kTiles raises where AMX is unavailable).
-enum Method : int64_t { kAuto = 0, kRows = 1, kTiles = 2 };
+// allow AMX, else the level-sums kernel (int4_pairs_cpu.cpp) up to its rows where it is built, else
+// the row kernel; kRows, kTiles and kPairs force one (tests compare each with the reference; kTiles
+// and kPairs raise where they are unavailable). kRows is the deterministic mode's: its bits are the
+// bfloat16 GEMM's on the dequantized weight.
+enum Method : int64_t { kAuto = 0, kRows = 1, kTiles = 2, kPairs = 3 };
 // From this many rows the tile path is faster (benchmarks/int4_gemv.py on SmolLM2's shapes: at one
 // row the row kernel is 1.1-1.5x faster, at 4 they are even, at 8 the tiles are 1.3-2x faster).
 constexpr int64_t kTilesFromRows = 6;
+// Below kTilesFromRows (or without tiles) kAuto takes the level-sums kernel where it is built, for any
+// row count it takes (benchmarks/int4_gemv.py on SmolLM2's shapes, 2-core Zen 4: 1.2-1.6x the row
+// kernel's speed at one row, 1.0-1.2x at two, within 0.85-1.1x of it at four and eight rows, where
+// each row costs it one multiply-add per pair of groups more). One kernel for every step of 1 to 8
+// rows keeps a row's bits independent of the step's row count there: a speculative step verifying
+// drafts computes the bits of decoding one token at a time.
 
 bool tiles_available(int64_t in) {
 #ifdef TOKENMILL_INT4_AMX
@@ -397,9 +405,10 @@ bool tiles_available(int64_t in) {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t method) {
   check_format(packed, scales, mins);
-  TORCH_CHECK(method >= kAuto && method <= kTiles, "method must be 0 (auto), 1 (rows) or 2 (tiles), got ", method);
+  TORCH_CHECK(method >= kAuto && method <= kPairs, "method must be 0 (auto), 1 (rows), 2 (tiles) or 3 (level sums), got ",
+              method);
   if (x.scalar_type() == at::kFloat) {  // float32 rows: the weights' float32 values, no bfloat16 rounding
-    TORCH_CHECK(method != kTiles, "the int4 tile path takes bfloat16 rows, not float32");
+    TORCH_CHECK(method != kTiles && method != kPairs, "the int4 tile and level-sums kernels take bfloat16 rows, not float32");
     return ops::int4_linear_f32(x, packed, scales, mins);
   }
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
@@ -409,6 +418,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const bool tiles = method == kTiles || (method == kAuto && rows >= kTilesFromRows && tiles_available(in));
   TORCH_CHECK(!(method == kTiles && !tiles_available(in)),
               "the int4 tile path needs AMX (CPU support and the OS's permission) and in_features <= 8192");
+  const bool pairs_fit = rows >= 1 && rows <= ops::int4_pairs_max_rows() && ops::int4_pairs_available();
+  TORCH_CHECK(method != kPairs || pairs_fit, "the int4 level-sums kernel needs AVX512-BF16 and 1 to ",
+              ops::int4_pairs_max_rows(), " rows");
+  if (method == kPairs || (method == kAuto && !tiles && pairs_fit && out_features > 0))
+    return ops::int4_linear_pairs(x, packed, scales, mins);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return out;
   const auto* xp = x.data_ptr<c10::BFloat16>();

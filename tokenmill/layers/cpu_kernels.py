@@ -32,6 +32,7 @@ SOURCES = [
     CSRC / "paged_attention_cpu.cpp",
     CSRC / "fused_ops_cpu.cpp",
     CSRC / "int4_gemm_cpu.cpp",
+    CSRC / "int4_pairs_cpu.cpp",
     CSRC / "decoder_layer_cpu.cpp",
     CSRC / "q8_gemm_cpu.cpp",
     CSRC / "prefill_attention_cpu.cpp",

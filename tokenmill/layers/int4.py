@@ -11,12 +11,14 @@ Float32 rows (a float32 model, ``--dtype auto`` on CPUs without AVX-512) multipl
 values ``d * q + m`` (``csrc/group_gemm_f32_cpu.cpp``, AVX2 FMA), which a Q4_1 GGUF's layers hold
 exactly in float32; the rest of this paragraph is about bfloat16 rows.
 ``int4_linear`` (``csrc/int4_gemm_cpu.cpp``) multiplies the rows of a step by such a weight, decoding
-each packed byte once per call: a row kernel (one bfloat16 dot product per row and group) for a few
-rows, and on CPUs with AMX a tile kernel (each decoded 16 x 32 weight tile multiplied with 16 rows
-per tile product) from ``kTilesFromRows`` rows. ``int4_dequantize`` gives the bfloat16 weight both
-compute with (``round_bf16(d * q + m)``, exact in float32 before the rounding), which steps above
-:func:`int4_max_rows` multiply with oneDNN's bfloat16 GEMM, so every batch size computes with the
-same weight values.
+each packed byte once per call. On CPUs with AVX512-BF16 steps of 1 to 8 rows (below the tiles) take
+the level-sums kernel (``csrc/int4_pairs_cpu.cpp``: per group ``d * sum(x q) + m * sum(x)``, two groups
+per vector), which computes with the exact values ``d * q + m``; the row kernel (one bfloat16 dot
+product per row and group; method 1, the deterministic mode's) and on CPUs with AMX the tile kernel
+(each decoded 16 x 32 weight tile multiplied with 16 rows per tile product, from ``kTilesFromRows``
+rows) compute with ``round_bf16(d * q + m)`` (exact in float32 before the rounding), the bfloat16
+weight ``int4_dequantize`` gives, which steps above :func:`int4_max_rows` multiply with oneDNN's
+bfloat16 GEMM. The two differ by the weights' bfloat16 rounding, well within the format's own error.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ INT4_MAX_ROWS_WITH_TILES = 128
 # on one thread of a loaded Zen 4 on the avx2 path: 2.1x faster at one row, even at four.
 INT4_FLOAT32_MAX_ROWS = 3
 
-# int4_linear's ``method``: 0 picks by the number of rows, 1 forces the row kernel, 2 the tile kernel.
-METHOD_AUTO, METHOD_ROWS, METHOD_TILES = 0, 1, 2
+# int4_linear's ``method``: 0 picks by the number of rows, 1 forces the row kernel, 2 the tile kernel,
+# 3 the level-sums kernel (csrc/int4_pairs_cpu.cpp: AVX512-BF16, 1 to INT4_PAIRS_MAX_ROWS rows).
+METHOD_AUTO, METHOD_ROWS, METHOD_TILES, METHOD_PAIRS = 0, 1, 2, 3
+INT4_PAIRS_MAX_ROWS = 8
 
 _FLOAT16_MAX = 65504.0
 # The kernel keeps one weight row's scales and minimums in float32 on the stack (kMaxGroups groups).
@@ -102,6 +106,13 @@ def int4_has_tiles() -> bool:
     """Whether the tile (AMX) kernel runs here: the CPU has AMX and the OS grants it to the process."""
     _require_kernel()
     return bool(torch.ops.tokenmill.int4_has_tiles())
+
+
+@functools.cache
+def int4_pairs_available() -> bool:
+    """Whether the level-sums kernel is built here (AVX512-BF16: the avx512_bf16 and amx paths)."""
+    _require_kernel()
+    return bool(torch.ops.tokenmill.int4_pairs_available())
 
 
 def int4_max_rows() -> int:

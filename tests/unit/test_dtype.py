@@ -135,3 +135,41 @@ def test_packed_float32_linear_matches_f_linear(rows: int) -> None:
     assert packed.dtype == torch.float32 and packed.shape == (rows, 96)
     # float32 products of 80 terms: a few ulps of the sum of magnitudes, as F.linear's own error.
     assert bool(((packed.double() - reference).abs() <= float64_bound(x, weight, bias)).all())
+
+
+@pytest.mark.skipif(
+    not (
+        cpu_gemm.bf16_row_kernel_available()
+        and cpu_gemm.packing_available(torch.ones(1, dtype=torch.bfloat16))
+    ),
+    reason="the bfloat16 row kernel needs AVX512-BF16 and oneDNN's bfloat16 packing",
+)
+def test_packed_bfloat16_layers_take_one_or_two_rows_on_the_row_kernel() -> None:
+    """A packed bfloat16 layer (and LM head) multiplies steps of up to BF16_ROW_KERNEL_MAX_ROWS rows
+    on the row kernel (the batch-invariant kernel's bits), larger ones on oneDNN; both within float
+    rounding of float64."""
+    from tokenmill.layers.embedding import LMHead
+    from tokenmill.layers.linear import RowParallelLinear
+
+    layer = RowParallelLinear(96, 40, bias=True, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(40, 96) / 96**0.5)
+    layer.bias.data.copy_(torch.randn(40))  # type: ignore[union-attr]
+    layer.prepare_for_inference()
+    head = LMHead(40, 96, torch.bfloat16)
+    head.weight.data.copy_(layer.weight.data)
+    head.prepare_for_inference()
+    assert layer.packed_weight is not None and head.packed_weight is not None
+    x = torch.randn(cpu_gemm.BF16_ROW_KERNEL_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+    for rows in range(1, x.shape[0] + 1):
+        small = rows <= cpu_gemm.BF16_ROW_KERNEL_MAX_ROWS
+        row_kernel = torch.ops.tokenmill.batch_invariant_linear(x[:rows], layer.weight.data)  # [rows, 40]
+        onednn = cpu_gemm.packed_linear(x[:rows], layer.packed_weight, None)
+        assert torch.equal(head(x[:rows]), row_kernel if small else onednn)
+        with_bias = (
+            row_kernel + layer.bias
+            if small
+            else cpu_gemm.packed_linear(x[:rows], layer.packed_weight, layer.bias)
+        )
+        assert torch.equal(layer(x[:rows]), with_bias)
+        reference = x[:rows].double() @ layer.weight.data.double().T
+        assert torch.allclose(row_kernel.double(), reference, rtol=2**-7, atol=1e-2)

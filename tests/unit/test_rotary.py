@@ -321,22 +321,36 @@ def test_rms_norm_matches_llama(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemma_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
+    """Plain, residual and per-head (3-D strided view of a fused QKV output) forms, on the fused CPU
+    op (csrc/gemma_ops_cpu.cpp) where it is built: bfloat16 bit for bit, float32 to its rounding (the
+    squares are summed in the op's vector order)."""
     hidden = 32
     generator = torch.Generator().manual_seed(2)
     weight = (0.1 * torch.randn(hidden, generator=generator)).to(dtype)
     x = torch.randn(5, hidden, generator=generator).to(dtype)
     residual = torch.randn(5, hidden, generator=generator).to(dtype)
+    qkv = torch.randn(3, 4 * hidden, generator=generator).to(dtype)  # 3 heads of q, then k
     reference = HFGemmaRMSNorm(hidden, eps=1e-6).to(dtype)
     norm = GemmaRMSNorm(hidden, eps=1e-6).to(dtype)
+
+    def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.dtype == dtype and got.shape == want.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
     with torch.no_grad():
         reference.weight.copy_(weight)
         norm.weight.copy_(weight)
-        assert torch.equal(norm(x), reference(x))
-        normed, new_residual = norm(x, residual)
-        assert torch.equal(new_residual, residual + x)
-        assert torch.equal(normed, reference(residual + x))
-        assert normed.dtype == dtype
-        norm.prepare_for_inference()  # keeps 1 + weight in float32: the same bits
-        assert norm.one_plus_weight is not None
-        assert torch.equal(norm(x), reference(x))
-        assert torch.equal(norm(x, residual)[0], reference(residual + x))
+        for prepared in (False, True):
+            if prepared:
+                norm.prepare_for_inference()  # keeps 1 + weight in float32: the same values
+                assert norm.one_plus_weight is not None
+            assert_matches(norm(x), reference(x))
+            # Clones: the fused CPU path reuses the memory of its inputs.
+            normed, new_residual = norm(x.clone(), residual.clone())
+            assert torch.equal(new_residual, residual + x)
+            assert_matches(normed, reference(residual + x))
+            heads = qkv[:, : 3 * hidden].view(3, 3, hidden)  # [tokens, heads, head_dim], rows strided
+            assert_matches(norm(heads), reference(heads))

@@ -113,6 +113,11 @@ inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+// |magnitude| with the sign bit of `sign`, lane by lane.
+inline Vec copy_sign(Vec magnitude, Vec sign) {
+  const __m512i bit = _mm512_set1_epi32(INT32_MIN);  // 0xCA: bit ? sign : magnitude, bitwise
+  return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(bit, _mm512_castps_si512(sign.v), _mm512_castps_si512(magnitude.v), 0xCA))};
+}
 // Zeroes the lanes from n on.
 inline Vec keep(Vec a, int n) { return {_mm512_maskz_mov_ps(lane_mask(n), a.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
@@ -315,6 +320,11 @@ inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(
 inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Vec copy_sign(Vec magnitude, Vec sign) {
+  const __m256 bit = _mm256_set1_ps(-0.0f);
+  return {_mm256_or_ps(_mm256_andnot_ps(bit, magnitude.lo), _mm256_and_ps(bit, sign.lo)),
+          _mm256_or_ps(_mm256_andnot_ps(bit, magnitude.hi), _mm256_and_ps(bit, sign.hi))};
+}
 // Zeroes the lanes from n on.
 inline Vec keep(Vec a, int n) {
   return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(avx2::first_lanes(n))),
@@ -400,6 +410,10 @@ inline Vec keep(Vec a, int n) {
 inline Vec max(Vec a, Vec b) {
   for (int i = 0; i < kLanes; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
   return a;
+}
+inline Vec copy_sign(Vec magnitude, Vec sign) {
+  for (int i = 0; i < kLanes; ++i) magnitude.v[i] = std::copysign(magnitude.v[i], sign.v[i]);
+  return magnitude;
 }
 inline float reduce_add(Vec a) {
   float sum = 0.0f;

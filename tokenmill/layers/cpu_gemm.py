@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for: a typical decode step.
 _PACK_BATCH_HINT = 128
+# Up to this many bfloat16 rows a dense bfloat16 weight multiplies faster on our row kernel
+# (csrc/batch_invariant_gemm_cpu.cpp over group_gemm.h: one dot product per row and 32 weights) than
+# on oneDNN: at one row 1.2-1.65x on Gemma 3 270M's and SmolLM2's shapes (2-core Zen 4: 34-42 GB/s of
+# weights against 23-35), 1.1-1.5x at two; from four rows oneDNN is as fast or faster.
+BF16_ROW_KERNEL_MAX_ROWS = 2
 PANEL_WIDTH = 16  # output features per float32 panel (csrc/f32_gemm_cpu.cpp)
 
 
@@ -99,6 +104,33 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(
         torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT), out_features, False
     )
+
+
+@functools.cache
+def bf16_row_kernel_available() -> bool:
+    """Whether the bfloat16 row kernel is built here (the C++ kernels with AVX512-BF16)."""
+    return load_error() is None and bool(torch.ops.tokenmill.batch_invariant_linear_available())
+
+
+def bf16_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` ``[rows, out_features]`` on the bfloat16 row kernel for a step of 1 to
+    ``BF16_ROW_KERNEL_MAX_ROWS`` bfloat16 CPU rows (contiguous features) and a contiguous bfloat16
+    weight whose ``in_features`` is a multiple of 32, where the kernel is built; else None (the caller
+    multiplies as before). Float32 accumulation in the kernel's order: the bits may differ from
+    oneDNN's by float rounding, as oneDNN's own kernels differ between batch sizes."""
+    if (
+        x.dim() != 2
+        or not 0 < x.shape[0] <= BF16_ROW_KERNEL_MAX_ROWS
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or x.stride(1) != 1
+        or weight.shape[1] % 32
+        or not weight.is_contiguous()
+        or not bf16_row_kernel_available()
+    ):
+        return None
+    return torch.ops.tokenmill.batch_invariant_linear(x, weight)  # [rows, out_features]
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,7 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = [
     CSRC / "paged_attention_cpu.cpp",
     CSRC / "fused_ops_cpu.cpp",
+    CSRC / "gemma_ops_cpu.cpp",
     CSRC / "int4_gemm_cpu.cpp",
     CSRC / "int4_pairs_cpu.cpp",
     CSRC / "decoder_layer_cpu.cpp",
@@ -215,6 +216,14 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("tokenmill::silu_and_mul")
     def _silu(x):  # type: ignore[no-untyped-def]
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("tokenmill::gemma_rms_norm")
+    def _gemma_rms(x, scale, eps):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("tokenmill::gelu_tanh_and_mul")
+    def _gelu(x):  # type: ignore[no-untyped-def]
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
     @torch.library.register_fake("tokenmill::int4_linear")

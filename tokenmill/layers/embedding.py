@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.batch_invariant import invariant_product
-from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
+from tokenmill.layers.cpu_gemm import (
+    PackedWeight,
+    bf16_row_linear,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
@@ -161,7 +167,12 @@ class LMHead(nn.Module):
         return self._float_projection(hidden)
 
     def _float_projection(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits through the float (or int8-dequantized) weight, packed where it can be."""
+        """The logits through the float (or int8-dequantized) weight, packed where it can be (a step
+        of one or two bfloat16 rows on the row kernel, ``cpu_gemm.bf16_row_linear``)."""
+        if self.packed_weight is not None:
+            small = bf16_row_linear(hidden, self._projection_weight())
+            if small is not None:
+                return small  # [num_rows, vocab_size]
         if (
             self.packed_weight is not None
             and hidden.dtype == self.packed_weight.dtype

@@ -82,6 +82,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.silu_and_mul(gate_up)  # [rows, size]
 
 
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x / rms(x) * scale).to(x.dtype)`` over the last dim (``csrc/gemma_ops_cpu.cpp``), ``scale``
+    being Gemma's ``1 + weight`` in float32; ``x`` is ``[rows, features]`` or ``[tokens, heads,
+    features]`` with contiguous features (views of a fused QKV output too). A new contiguous tensor."""
+    return torch.ops.tokenmill.gemma_rms_norm(x, scale, eps)
+
+
+def add_gemma_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemma_rms_norm(residual + x), residual + x)``, in place in ``x`` and ``residual`` (both
+    ``[rows, features]`` with contiguous features); the caller must not need their old values."""
+    torch.ops.tokenmill.add_gemma_rms_norm(x, residual, scale, eps)
+    return x, residual
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate).to(dtype) * up`` for ``gate_up = [gate | up]`` ``[rows, 2 * size]``."""
+    return torch.ops.tokenmill.gelu_tanh_and_mul(gate_up)  # [rows, size]
+
+
 def llama_decode_stack(
     hidden: torch.Tensor,  # [S, hidden] bfloat16 or float32, contiguous: the embeddings; overwritten
     weights: list[torch.Tensor],  # every layer's, in order: see fused_decode_stack.FusedDecodeWeights

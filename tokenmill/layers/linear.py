@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.batch_invariant import invariant_product
-from tokenmill.layers.cpu_gemm import PackedWeight, pack_weight, packed_linear, packing_available
+from tokenmill.layers.cpu_gemm import (
+    PackedWeight,
+    bf16_row_linear,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight, exact_small_level_groups
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
@@ -118,7 +124,12 @@ class LinearBase(nn.Module):
         return self._float_matmul(x, bias)
 
     def _float_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias`` with the float weight (packed where it can be)."""
+        """``x @ W.T + bias`` with the float weight (packed where it can be; a step of one or two
+        bfloat16 rows on the row kernel, ``cpu_gemm.bf16_row_linear``)."""
+        if self.packed_weight is not None:
+            small = bf16_row_linear(x, self.weight)
+            if small is not None:
+                return small if bias is None else small + bias
         if self.packed_weight is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0]:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

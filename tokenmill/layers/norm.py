@@ -100,17 +100,29 @@ class GemmaRMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x` [..., hidden_size]; with `residual` [..., hidden_size], normalise `residual + x`
-        and return `(normed, residual + x)`."""
-        if residual is None:
-            return self._norm(x)
-        summed = residual + x  # [..., hidden_size]
-        return self._norm(summed), summed
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Gemma multiplies in float32 and rounds once (transformers PR 29402), unlike Llama.
+        and return `(normed, residual + x)`. On the fused CPU path (2-D, or 3-D per-head views with
+        contiguous features) the residual form reuses the memory of `x` and `residual`; callers pass
+        tensors they no longer need."""
         scale = self.one_plus_weight
         if scale is None or scale.device != x.device:
             scale = 1.0 + self.weight.float()  # [hidden_size]
+        if fused_cpu.applies_to(x) and x.dim() in (2, 3) and x.stride(-1) == 1:
+            if residual is None:
+                return fused_cpu.gemma_rms_norm(x, scale, self.eps)
+            if (
+                x.dim() == 2
+                and residual.dtype == x.dtype
+                and residual.shape == x.shape
+                and residual.stride(-1) == 1
+            ):
+                return fused_cpu.add_gemma_rms_norm(x, residual, scale, self.eps)
+        if residual is None:
+            return self._norm(x, scale)
+        summed = residual + x  # [..., hidden_size]
+        return self._norm(summed, scale), summed
+
+    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # Gemma multiplies in float32 and rounds once (transformers PR 29402), unlike Llama.
         normed = _rms_normalize(x, self.eps) * scale  # [..., hidden_size]
         return normed.to(x.dtype)
 

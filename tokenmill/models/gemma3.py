@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
@@ -176,7 +177,10 @@ class Gemma3MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, args.hidden_size, bias=False, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [num_tokens, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if fused_cpu.applies_to(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self.down_proj(fused_cpu.gelu_tanh_and_mul(gate_up))  # [num_tokens, hidden_size]
+        gate, up = self.gate_up_proj.split(gate_up)  # [num_tokens, intermediate] each
         return self.down_proj(_gelu_tanh(gate) * up)  # [num_tokens, hidden_size]
 
 

@@ -20,17 +20,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "rows_grain.h"
 #include "vec16.h"
 
 namespace tokenmill {
 namespace {
-
-// Rows per parallel task: about 256k elements a thread, as fused_ops_cpu.cpp's rows_grain (a decode
-// step's norms run on the calling thread: a barrier behind a busy core costs a scheduler slice).
-inline int64_t rows_grain(int64_t elements_per_row, int64_t cost = 1) {
-  constexpr int64_t kMinElementsPerThread = int64_t{1} << 18;
-  return std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(1, elements_per_row * cost));
-}
 
 // out = (x / rms(x) * scale).to(T) for one row of `features` values (scale = 1 + w, float32).
 template <typename T>

@@ -49,6 +49,7 @@ HEADERS = [
     CSRC / "amx_tiles.h",
     CSRC / "tile_layout.h",
     CSRC / "online_softmax.h",
+    CSRC / "rows_grain.h",
 ]
 NAME = "tokenmill_paged_attention_cpu"
 # Tuples: cpp_extension.load appends to the lists it is given, which would change the cache key.

@@ -164,6 +164,7 @@ def test_level_sums_kernel_computes_with_the_exact_weight_values(shape: tuple[in
 
 
 def test_the_level_sums_kernel_takes_its_rows_and_is_refused_elsewhere() -> None:
+    assert torch.ops.tokenmill.int4_pairs_max_rows() == INT4_PAIRS_MAX_ROWS  # the kernel's own bound
     packed, scales, mins = quantize_int4(torch.randn(16, 64, dtype=BF16))
     x = torch.randn(INT4_PAIRS_MAX_ROWS + 1, 64, dtype=BF16)
     if not int4_pairs_available():

@@ -189,4 +189,5 @@ at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, cons
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int4_pairs_available() -> bool", &tokenmill::ops::int4_pairs_available);
+  m.def("int4_pairs_max_rows() -> int", &tokenmill::ops::int4_pairs_max_rows);
 }

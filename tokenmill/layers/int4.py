@@ -47,7 +47,7 @@ INT4_FLOAT32_MAX_ROWS = 3
 # int4_linear's ``method``: 0 picks by the number of rows, 1 forces the row kernel, 2 the tile kernel,
 # 3 the level-sums kernel (csrc/int4_pairs_cpu.cpp: AVX512-BF16, 1 to INT4_PAIRS_MAX_ROWS rows).
 METHOD_AUTO, METHOD_ROWS, METHOD_TILES, METHOD_PAIRS = 0, 1, 2, 3
-INT4_PAIRS_MAX_ROWS = 8
+INT4_PAIRS_MAX_ROWS = 8  # csrc/int4_pairs_cpu.cpp kMaxPairRows (the op int4_pairs_max_rows)
 
 _FLOAT16_MAX = 65504.0
 # The kernel keeps one weight row's scales and minimums in float32 on the stack (kMaxGroups groups).

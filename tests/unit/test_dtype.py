@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill.layers import cpu_gemm
+from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.worker import model_runner
 from tokenmill.worker.model_runner import resolve_dtype
 
@@ -138,10 +139,7 @@ def test_packed_float32_linear_matches_f_linear(rows: int) -> None:
 
 
 @pytest.mark.skipif(
-    not (
-        cpu_gemm.bf16_row_kernel_available()
-        and cpu_gemm.packing_available(torch.ones(1, dtype=torch.bfloat16))
-    ),
+    not (row_kernel_available() and cpu_gemm.packing_available(torch.ones(1, dtype=torch.bfloat16))),
     reason="the bfloat16 row kernel needs AVX512-BF16 and oneDNN's bfloat16 packing",
 )
 def test_packed_bfloat16_layers_take_one_or_two_rows_on_the_row_kernel() -> None:

@@ -43,7 +43,7 @@ void gemma_norm_row(const T* x, const float* scale, T* out, int64_t features, fl
   }
 }
 
-// Calls fn with a null pointer of x's element type (bfloat16 or float32, checked by check_scale).
+// Calls fn with a null pointer of x's element type (bfloat16 or float32, which the caller checked).
 template <typename Fn>
 void on_dtype(const at::Tensor& x, Fn&& fn) {
   if (x.scalar_type() == at::kBFloat16)
@@ -150,14 +150,13 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be a CPU tensor [rows, 2 * size]");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
   const int64_t rows = x.size(0), size = x.size(1) / 2;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "gelu_tanh_and_mul supports bfloat16 and float32, got ", x.scalar_type());
   at::Tensor out = at::empty({rows, size}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    gelu_tanh_and_mul_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), out.data_ptr<c10::BFloat16>(), rows, size);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "gelu_tanh_and_mul supports bfloat16 and float32, got ",
-                x.scalar_type());
-    gelu_tanh_and_mul_rows(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), rows, size);
-  }
+  on_dtype(x, [&](auto* type) {
+    using scalar_t = std::remove_pointer_t<decltype(type)>;
+    gelu_tanh_and_mul_rows(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows, size);
+  });
   return out;
 }
 

@@ -31,6 +31,7 @@
 
 #include "cpu_ops.h"
 #include "group_gemm.h"
+#include "vec16.h"
 
 namespace tokenmill {
 namespace {
@@ -38,7 +39,6 @@ namespace {
 using namespace group_gemm;  // kGroup, kOutputsPerTask, kPrefetchBytes, TOKENMILL_GROUP_AVX512
 
 constexpr int64_t kGroupBytes = kGroup / 2;
-constexpr int64_t kPairBytes = 2 * kGroupBytes;
 constexpr int64_t kPairElements = 2 * kGroup;
 constexpr int64_t kMaxPairRows = 8;  // the kernel's largest step (template instances 1..8)
 
@@ -55,27 +55,29 @@ struct PairedRows {
 
 void lay_out_rows(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t groups, c10::BFloat16* values,
                   float* sums, int64_t pairs, int64_t sum_stride) {
-  std::memset(values, 0, sizeof(c10::BFloat16) * rows * pairs * kPairElements);
-  std::memset(sums, 0, sizeof(float) * rows * sum_stride);
   for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* row_values = values + r * pairs * kPairElements;
+    float* row_sums = sums + r * sum_stride;
     for (int64_t g = 0; g < groups; ++g) {
       const c10::BFloat16* src = x + r * x_stride + g * kGroup;
-      c10::BFloat16* pair = values + r * pairs * kPairElements + (g / 2) * kPairElements + (g % 2) * 16;
-      std::memcpy(pair, src, 16 * sizeof(c10::BFloat16));           // elements 0..15
+      c10::BFloat16* pair = row_values + (g / 2) * kPairElements + (g % 2) * 16;
+      std::memcpy(pair, src, 16 * sizeof(c10::BFloat16));                // elements 0..15
       std::memcpy(pair + kGroup, src + 16, 16 * sizeof(c10::BFloat16));  // elements 16..31
-      const __m512i raw = _mm512_loadu_si512(src);
-      const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-      const __m512 high =
-          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-      sums[r * sum_stride + g] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+      row_sums[g] = vec::reduce_add(vec::add(vec::load(src, 16), vec::load(src + 16, 16)));
     }
+    if (groups % 2) {  // a missing last group's halves
+      c10::BFloat16* pair = row_values + (groups / 2) * kPairElements + 16;
+      std::memset(pair, 0, 16 * sizeof(c10::BFloat16));
+      std::memset(pair + kGroup, 0, 16 * sizeof(c10::BFloat16));
+    }
+    std::fill(row_sums + groups, row_sums + sum_stride, 0.0f);
   }
 }
 
-// out[r, o] for the ROWS rows from row0 and outputs [begin, end).
+// out[r, o] for the step's ROWS rows and outputs [begin, end).
 template <int ROWS>
 void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scales, const c10::Half* mins,
-               int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t row0, int64_t begin, int64_t end) {
+               int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
   // A level q in 0..15 becomes the bfloat16 128 + q by setting the exponent bits of 128 above it
   // (bfloat16 0x4300 is 128, whose last mantissa bit is worth 1): no table lookup. The sums then hold
   // 128 * sum(x) besides sum(x * q), which the minimums' term takes back (m - 128 d).
@@ -97,7 +99,7 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scal
       const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d_row + block));  // [16 groups]
       const __m512 m = _mm512_fmadd_ps(minus_128, d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m_row + block)));
       for (int r = 0; r < ROWS; ++r) {
-        acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.sums + (row0 + r) * x.sum_stride + block), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.sums + r * x.sum_stride + block), acc[r]);
       }
       __m512i pair_index = first_pair;
       for (int64_t g = block; g < block + count; g += 2) {
@@ -114,7 +116,7 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scal
         pair_index = _mm512_add_epi32(pair_index, _mm512_set1_epi32(2));
         const int64_t p = g / 2;
         for (int r = 0; r < ROWS; ++r) {
-          const c10::BFloat16* xp = x.values + (row0 + r) * pairs * kPairElements + p * kPairElements;
+          const c10::BFloat16* xp = x.values + r * pairs * kPairElements + p * kPairElements;
           __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), low, (__m512bh)_mm512_loadu_si512(xp));
           sum = _mm512_dpbf16_ps(sum, high, (__m512bh)_mm512_loadu_si512(xp + kGroup));
           acc[r] = _mm512_fmadd_ps(sum, pair_scales, acc[r]);
@@ -122,7 +124,7 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scal
       }
     }
     for (int r = 0; r < ROWS; ++r) {
-      out[(row0 + r) * out_stride + o] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
+      out[r * out_stride + o] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r]));
     }
   }
 }
@@ -136,7 +138,7 @@ void pair_pass(const PairedRows& x, const uint8_t* packed, const c10::Half* scal
       return;
     }
   }
-  pair_rows<ROWS>(x, packed, scales, mins, groups, out, out_stride, 0, begin, end);
+  pair_rows<ROWS>(x, packed, scales, mins, groups, out, out_stride, begin, end);
 }
 
 #endif  // TOKENMILL_GROUP_AVX512

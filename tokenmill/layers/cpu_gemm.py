@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.cpu_isa import bfloat16_instructions, cpu_isa
 from tokenmill.layers.cpu_kernels import load_error
 
@@ -106,12 +107,6 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     )
 
 
-@functools.cache
-def bf16_row_kernel_available() -> bool:
-    """Whether the bfloat16 row kernel is built here (the C++ kernels with AVX512-BF16)."""
-    return load_error() is None and bool(torch.ops.tokenmill.batch_invariant_linear_available())
-
-
 def bf16_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight.T`` ``[rows, out_features]`` on the bfloat16 row kernel for a step of 1 to
     ``BF16_ROW_KERNEL_MAX_ROWS`` bfloat16 CPU rows (contiguous features) and a contiguous bfloat16
@@ -127,7 +122,7 @@ def bf16_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         or x.stride(1) != 1
         or weight.shape[1] % 32
         or not weight.is_contiguous()
-        or not bf16_row_kernel_available()
+        or not row_kernel_available()
     ):
         return None
     return torch.ops.tokenmill.batch_invariant_linear(x, weight)  # [rows, out_features]

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_ops.h"
 #include "group_gemm.h"
 
 namespace tokenmill {
@@ -162,6 +163,12 @@ at::Tensor batch_invariant_linear(const at::Tensor& x, const at::Tensor& weight)
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor batch_invariant_linear(const at::Tensor& x, const at::Tensor& weight) {
+  return ::tokenmill::batch_invariant_linear(x, weight);
+}
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("batch_invariant_linear_available() -> bool", &tokenmill::batch_invariant_linear_available);

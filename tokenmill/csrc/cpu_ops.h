@@ -1,6 +1,8 @@
-// The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp chains
-// them). Each has the contract of the torch.ops.tokenmill op of the same name, documented in its file:
-// fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), int4_gemm_cpu.cpp (int4 linear; float32 rows in
+// The CPU ops of tokenmill/csrc, callable from C++ without the dispatcher (decoder_layer_cpu.cpp and
+// gemma_decoder_cpu.cpp chain them). Each has the contract of the torch.ops.tokenmill op of the same
+// name, documented in its file: fused_ops_cpu.cpp (norms, rotary, SiLU-and-mul), gemma_ops_cpu.cpp (Gemma's
+// norm and gelu-tanh-and-mul), q8_gemm_cpu.cpp (exact 8-bit groups), batch_invariant_gemm_cpu.cpp (the
+// bfloat16 row kernel), int4_gemm_cpu.cpp (int4 linear; float32 rows in
 // group_gemm_f32_cpu.cpp, a few bfloat16 rows in int4_pairs_cpu.cpp), f32_gemm_cpu.cpp
 // (float32 panel linear), paged_attention_cpu.cpp (KV write, decode attention), prefill_attention_cpu.cpp
 // and prefill_attention_f32_cpu.cpp (prompt chunks).
@@ -23,6 +25,12 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache, int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps);
+void add_gemma_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& scale, double eps);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+// Needs AVX512-BF16 (RuntimeError without).
+at::Tensor batch_invariant_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method);
 // The int4 level-sums kernel (int4_pairs_cpu.cpp): built with AVX512-BF16; 1 to int4_pairs_max_rows() bfloat16

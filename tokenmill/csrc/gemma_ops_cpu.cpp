@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cpu_ops.h"
 #include "rows_grain.h"
 #include "vec16.h"
 
@@ -162,6 +163,16 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  return ::tokenmill::gemma_rms_norm(x, scale, eps);
+}
+void add_gemma_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& scale, double eps) {
+  ::tokenmill::add_gemma_rms_norm(x, residual, scale, eps);
+}
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return ::tokenmill::gelu_tanh_and_mul(x); }
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("gemma_rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");

@@ -172,6 +172,12 @@ std::tuple<at::Tensor, at::Tensor, bool> q8_groups_of(const at::Tensor& weight) 
 }  // namespace
 }  // namespace tokenmill
 
+namespace tokenmill::ops {
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  return ::tokenmill::q8_linear(x, q, scales);
+}
+}  // namespace tokenmill::ops
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("q8_groups_of(Tensor weight) -> (Tensor, Tensor, bool)");

@@ -138,7 +138,7 @@ def make_batch_invariant(model: torch.nn.Module) -> None:
                 setattr(module, name, backend)
             elif isinstance(child, MLAReferenceBackend) and not isinstance(child, DeterministicMLABackend):
                 setattr(module, name, DeterministicMLABackend.like(child))  # DeepSeek's latent cache
-    stack = getattr(model, "decode_stack", None)  # only the Llama family has one
+    stack = getattr(model, "decode_stack", None)  # the Llama family and Gemma 3 have one
     if stack is not None:
         # The stack attends through its first layer's backend; on the replacement it runs
         # row-independently, or is dropped where it cannot (fused_decode_stack.FusedDecodeStack.fitted).

@@ -117,15 +117,24 @@ def bf16_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         x.dim() != 2
         or not 0 < x.shape[0] <= BF16_ROW_KERNEL_MAX_ROWS
         or x.dtype != torch.bfloat16
-        or weight.dtype != torch.bfloat16
         or x.device.type != "cpu"
         or x.stride(1) != 1
-        or weight.shape[1] % 32
-        or not weight.is_contiguous()
-        or not row_kernel_available()
+        or not bf16_row_weight(weight)
     ):
         return None
     return torch.ops.tokenmill.batch_invariant_linear(x, weight)  # [rows, out_features]
+
+
+def bf16_row_weight(weight: torch.Tensor) -> bool:
+    """Whether :func:`bf16_row_linear` multiplies by ``weight``: a contiguous bfloat16 CPU weight whose
+    ``in_features`` is a multiple of 32, with the row kernel built."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[1] % 32 == 0
+        and weight.is_contiguous()
+        and row_kernel_available()
+    )
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -172,6 +172,62 @@ def llama_decode_stack(
     return out
 
 
+def gemma_decode_stack(
+    hidden: torch.Tensor,  # [S, hidden] bfloat16 or float32, contiguous: the scaled embeddings; updated
+    weights: list[torch.Tensor],  # per layer its six norm scales, then its projections' tensors
+    kinds: list[int],  # [4 L] each projection's kernel (gemma_decode_stack.KIND_*)
+    out_features: list[int],  # [4 L]
+    biases: list[torch.Tensor | None],  # [4 L]
+    kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+    positions: torch.Tensor,  # [S] int64
+    layer_kinds: list[int],  # [L] each layer's attention kind: an index into the per-kind lists
+    cos_caches: list[torch.Tensor],  # per kind [max_position, rotary_dim // 2] float32
+    sin_caches: list[torch.Tensor],  # per kind [max_position, rotary_dim // 2] float32
+    slot_mappings: list[torch.Tensor],  # per kind [S] int64
+    block_tables: list[torch.Tensor],  # per kind [S, max_blocks] int64
+    seq_lens: list[torch.Tensor],  # per kind [S] int64
+    windows: list[int],  # per kind, 0 for none
+    final_norm: torch.Tensor,  # [hidden] float32 (1 + w)
+    shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
+    eps: float,
+    scale: float,
+    interrupt: torch.Tensor | None = None,  # [1] uint8 (step_control.py), polled between layers
+    resume_from: LayerProgress | None = None,
+) -> torch.Tensor | LayerProgress:
+    """Every Gemma 3 decoder layer over a step of decodes (each row one sequence's), then the final
+    norm, in one C++ call (``csrc/gemma_decoder_cpu.cpp``, whose header has the contract): the
+    kernels the layer modules take, in their order, so the same bits. Returns the final norm's output
+    ``[S, hidden]``, or the ``LayerProgress`` before the layer where a raised ``interrupt`` stopped
+    it; ``resume_from`` (such a progress: its ``hidden`` is passed as ``hidden``) goes on from there,
+    running at least one layer before it reads the flag again."""
+    out, next_layer = torch.ops.tokenmill.gemma_decode_stack(
+        hidden,
+        weights,
+        kinds,
+        out_features,
+        biases,
+        kv_caches,
+        positions,
+        layer_kinds,
+        cos_caches,
+        sin_caches,
+        slot_mappings,
+        block_tables,
+        seq_lens,
+        windows,
+        final_norm,
+        *shape,
+        eps,
+        scale,
+        interrupt,
+        0 if resume_from is None else resume_from.next_layer,
+        resume_from is not None,
+    )  # [S, hidden]: the final norm's output, or the input of layer next_layer
+    if next_layer < len(kv_caches):
+        return LayerProgress(next_layer, out, None)
+    return out
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for a 2-D CPU tensor with contiguous rows (first index on ties, NaN wins)."""
     return torch.ops.tokenmill.argmax_rows(x)  # [rows] int64

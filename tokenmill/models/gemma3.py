@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from tokenmill.layers import fused_cpu
 from tokenmill.layers.attention import select_backend
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.forward_batch import ForwardBatch
+from tokenmill.layers.gemma_decode_stack import GemmaDecodeStack, GemmaLayerParts
 from tokenmill.layers.linear import MergedColumnLinear, RowParallelLinear, head_rows
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, get_rope
@@ -210,6 +212,26 @@ class Gemma3DecoderLayer(nn.Module):
         normed, hidden = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), hidden)
         return hidden + self.post_feedforward_layernorm(self.mlp(normed))  # [num_tokens, hidden_size]
 
+    def fused_stack_parts(self) -> GemmaLayerParts:
+        """This layer's parts for the fused CPU decoder stack (``layers/gemma_decode_stack.py``, which
+        decides whether they fit it)."""
+        attention, mlp = self.self_attn, self.mlp
+        norms = (
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+            attention.q_norm,
+            attention.k_norm,
+        )
+        return GemmaLayerParts(
+            norm_scales=tuple(norm.one_plus_weight for norm in norms),
+            attention=attention.attn,
+            rotary=attention.rotary,
+            window=attention.sliding_window,
+            projections=(attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj),
+        )
+
 
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3's text decoder over a paged KV cache (transformers' ``Gemma3ForCausalLM``).
@@ -240,6 +262,21 @@ class Gemma3ForCausalLM(CausalLM):
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         tied = self.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = LMHead(args.vocab_size, args.hidden_size, dtype, tied_to=tied, tp=tp)
+        # The fused CPU decoder stack over all layers, when they fit it (see prepare_for_inference).
+        self.decode_stack: GemmaDecodeStack | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Build the fused CPU decoder stack over every layer (all layers fit it, or it is not used);
+        the model runner calls this once the weights (and the norms' derived scales) are final."""
+        if self.tp.size > 1:  # its C++ loop has no collectives; the layers run one by one
+            self.decode_stack = None
+            return
+        args = self.args
+        parts = [cast(Gemma3DecoderLayer, layer).fused_stack_parts() for layer in self.layers]
+        shape = (args.num_heads, args.num_kv_heads, args.head_dim)
+        self.decode_stack = GemmaDecodeStack.build(
+            parts, self.norm.one_plus_weight, shape, args.rms_norm_eps, self.embed_tokens.weight.dtype
+        )
 
     @property
     def sliding_window(self) -> int | None:
@@ -274,6 +311,10 @@ class Gemma3ForCausalLM(CausalLM):
             start = 0
         else:  # a paused pass goes on (step_control.py); the stream is the hidden state itself
             hidden, start = progress.hidden, progress.next_layer
+        if self.decode_stack is not None:
+            fused = self.decode_stack.run(hidden, batch)  # all layers and the norm in one C++ call
+            if fused is not None:
+                return fused
         for index in range(start, len(self.layers)):
             if batch.control.should_stop(index):  # a latency-critical arrival stops the step here
                 return LayerProgress(index, hidden, None)

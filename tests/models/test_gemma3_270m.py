@@ -108,3 +108,26 @@ def test_the_model_is_mixed_so_no_block_is_released(gemma_run: Run) -> None:
 def test_chat_is_refused_for_lack_of_a_chat_template(gemma_run: Run) -> None:
     with pytest.raises(ValueError, match="no chat template"):
         gemma_run.llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4))
+
+
+def test_bfloat16_keeps_the_q4_k_layers_exact_on_the_level_sums_kernel() -> None:
+    """In bfloat16 (the default) the GGUF's 27 Q4_K layers (every o_proj, half the down_proj) get
+    their exact 4-bit groups with float32 scales (``loader/gguf_k4.py``) where the level-sums kernel
+    runs, and the fused stack multiplies with them; the output still counts on."""
+    from tokenmill.layers.gemma_decode_stack import KIND_K4
+    from tokenmill.layers.int4 import int4_pairs_available
+    from tokenmill.layers.linear import LinearBase
+
+    llm = LLM("gemma3-270m", num_blocks=32, block_size=16, max_model_len=256)
+    model = llm.engine.executor.runner.model
+    given = [
+        name for name, m in model.named_modules() if isinstance(m, LinearBase) and m.k4_weight is not None
+    ]
+    if not int4_pairs_available():
+        assert given == []
+        return
+    assert len(given) == 27 and sum("o_proj" in name for name in given) == 18
+    assert model.decode_stack is not None and model.decode_stack.kinds.count(KIND_K4) == 27
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (output,) = llm.generate([PROMPTS[3]], params, use_tqdm=False)
+    assert llm.get_tokenizer().decode(output.outputs[0].token_ids).startswith(" 5, 6, 7, 8")

@@ -14,8 +14,10 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.cpu_gemm import float32_panels_preferred
-from tokenmill.layers.gemma_decode_stack import KIND_BF16_ROWS, KIND_INT4, KIND_PANELS, KIND_Q8
-from tokenmill.layers.int4 import int4_max_rows
+from tokenmill.layers.gemma_decode_stack import KIND_BF16_ROWS, KIND_INT4, KIND_K4, KIND_PANELS, KIND_Q8
+from tokenmill.layers.int4 import int4_max_rows, int4_pairs_available
+from tokenmill.layers.k4 import K4Weight, pack_levels
+from tokenmill.models.base import prepare_for_inference
 from tokenmill.step_control import LayerProgress
 
 NUM_LAYERS = len(GEMMA3.kwargs["layer_types"])
@@ -135,6 +137,30 @@ def test_gguf_like_layers_take_their_exact_kernels_in_the_stack(
     assert stack is not None
     assert stack.kinds == [KIND_Q8, KIND_INT4, KIND_Q8, KIND_BF16_ROWS] * NUM_LAYERS
     assert stack.max_rows == 1  # the 8-bit kernel's bound
+    _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
+
+
+@pytest.mark.skipif(not int4_pairs_available(), reason="the level-sums kernel needs AVX512-BF16")
+def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
+    gguf_like_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Down projections holding exact 4-bit groups with float32 scales (a GGUF's Q4_K layers,
+    ``layers/k4.py``) take ``int4_sums_linear`` in the stack as in their modules."""
+    llm = LLM(gguf_like_folder, dtype="bfloat16", num_blocks=64, block_size=4, enable_prefix_caching=False)
+    model = llm.engine.executor.runner.model
+    torch.manual_seed(9)
+    for layer in model.layers:
+        down = layer.mlp.down_proj
+        out_features, in_features = down.weight.shape
+        levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+        scales = torch.rand(out_features, in_features // 32) * 0.02  # float32, not float16 values
+        k4 = K4Weight(pack_levels(levels), scales, -8 * scales)
+        down.weight.data.copy_(k4.dequantize().to(torch.bfloat16))
+        down.k4_weight = k4
+    prepare_for_inference(model)  # the stack again, over the new weights
+    stack = model.decode_stack
+    assert stack is not None
+    assert stack.kinds == [KIND_Q8, KIND_INT4, KIND_Q8, KIND_K4] * NUM_LAYERS
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
 
 

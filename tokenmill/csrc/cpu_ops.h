@@ -39,6 +39,10 @@ bool int4_pairs_available();
 int64_t int4_pairs_max_rows();
 at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const at::Tensor& mins);
+// The same kernel for 4-bit groups with float32 scales and minimums (or float16), formats checked
+// (int4_pairs_cpu.cpp; layers/k4.py).
+at::Tensor int4_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins);
 // float32 rows times int4 / exact 8-bit groups (group_gemm_f32_cpu.cpp); the formats checked by the caller.
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);

@@ -11,7 +11,7 @@
 //
 // `linear` is, per projection, the kernel the layer module takes for the step's rows
 // (layers/linear.py LinearBase._matmul): int4_linear (its automatic choice), q8_linear (exact 8-bit
-// groups), batch_invariant_linear (a bfloat16 weight's row kernel, cpu_gemm.bf16_row_linear) or
+// groups), int4_sums_linear (a GGUF K-quant's exact 4-bit groups), batch_invariant_linear (a bfloat16 weight's row kernel, cpu_gemm.bf16_row_linear) or
 // f32_panel_linear (float32 panels), each bias added as the module adds it. The caller
 // (layers/gemma_decode_stack.py) picks the kinds and sends only steps every projection takes.
 //
@@ -26,7 +26,8 @@
 //                 projections qkv, o, gate_up, down as its kind says
 //   kinds         [4 L]: per projection 0 int4 (packed, scales, mins: layers/int4.py), 1 exact 8-bit
 //                 groups (q, scales: layers/q8.py), 2 a bfloat16 weight [out, in] on the row kernel,
-//                 3 float32 panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp)
+//                 3 float32 panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp), 4 4-bit groups with float32
+//                 scales (packed, scales, mins: layers/k4.py, int4_sums_linear)
 //   out_features  [4 L]: each projection's outputs
 //   biases        [4 L]: each projection's bias or None
 //   kv_caches     per layer [2, num_blocks, block_size, kv_heads, head_dim]
@@ -59,11 +60,12 @@ namespace {
 constexpr int64_t kAutoKernel = 0;  // int4_linear picks its kernel by the row count
 constexpr size_t kNumProjections = 4;
 constexpr size_t kNumScales = 6;
-enum Kind : int64_t { kInt4 = 0, kQ8 = 1, kBf16Rows = 2, kPanels = 3 };
+enum Kind : int64_t { kInt4 = 0, kQ8 = 1, kBf16Rows = 2, kPanels = 3, kSums = 4 };
 
 int64_t tensors_of(int64_t kind) {
   switch (kind) {
     case kInt4:
+    case kSums:
       return 3;
     case kQ8:
       return 2;
@@ -71,8 +73,8 @@ int64_t tensors_of(int64_t kind) {
     case kPanels:
       return 1;
     default:
-      TORCH_CHECK(false, "projection kind must be 0 (int4), 1 (8-bit groups), 2 (bfloat16 rows) or 3 (float32 "
-                         "panels), got ", kind);
+      TORCH_CHECK(false, "projection kind must be 0 (int4), 1 (8-bit groups), 2 (bfloat16 rows), 3 (float32 "
+                         "panels) or 4 (4-bit groups with float32 scales), got ", kind);
   }
 }
 
@@ -94,6 +96,9 @@ struct Projection {
         break;
       case kBf16Rows:
         out = ops::batch_invariant_linear(x, tensors[0]);
+        break;
+      case kSums:
+        out = ops::int4_sums_linear(x, tensors[0], tensors[1], tensors[2]);
         break;
       default:
         return ops::f32_panel_linear(x, tensors[0], bias, out_features);  // the bias inside, as the module

@@ -74,9 +74,16 @@ void lay_out_rows(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_
   }
 }
 
-// out[r, o] for the step's ROWS rows and outputs [begin, end).
-template <int ROWS>
-void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scales, const c10::Half* mins,
+// 16 groups' scales (or minimums) from `count` = popcount(lanes) stored values, float32 (zeros past them).
+inline __m512 load_scales(const c10::Half* p, __mmask16 lanes) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, p));
+}
+inline __m512 load_scales(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+
+// out[r, o] for the step's ROWS rows and outputs [begin, end); Scale is c10::Half (layers/int4.py) or
+// float (layers/k4.py: a GGUF K-quant's sub-block scales times its super-block's, exact in float32).
+template <int ROWS, typename Scale>
+void pair_rows(const PairedRows& x, const uint8_t* packed, const Scale* scales, const Scale* mins,
                int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
   // A level q in 0..15 becomes the bfloat16 128 + q by setting the exponent bits of 128 above it
   // (bfloat16 0x4300 is 128, whose last mantissa bit is worth 1): no table lookup. The sums then hold
@@ -89,15 +96,15 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scal
   const int64_t pairs = x.pairs;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* w = packed + o * groups * kGroupBytes;
-    const c10::Half* d_row = scales + o * groups;
-    const c10::Half* m_row = mins + o * groups;
+    const Scale* d_row = scales + o * groups;
+    const Scale* m_row = mins + o * groups;
     __m512 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t block = 0; block < groups; block += 16) {
       const int64_t count = std::min<int64_t>(16, groups - block);
       const __mmask16 lanes = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u);
-      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d_row + block));  // [16 groups]
-      const __m512 m = _mm512_fmadd_ps(minus_128, d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m_row + block)));
+      const __m512 d = load_scales(d_row + block, lanes);  // [16 groups]
+      const __m512 m = _mm512_fmadd_ps(minus_128, d, load_scales(m_row + block, lanes));
       for (int r = 0; r < ROWS; ++r) {
         acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.sums + r * x.sum_stride + block), acc[r]);
       }
@@ -129,9 +136,9 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const c10::Half* scal
   }
 }
 
-template <int ROWS>
-void pair_pass(const PairedRows& x, const uint8_t* packed, const c10::Half* scales, const c10::Half* mins,
-               int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t rows, int64_t begin, int64_t end) {
+template <int ROWS, typename Scale>
+void pair_pass(const PairedRows& x, const uint8_t* packed, const Scale* scales, const Scale* mins, int64_t groups,
+               c10::BFloat16* out, int64_t out_stride, int64_t rows, int64_t begin, int64_t end) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
       pair_pass<ROWS - 1>(x, packed, scales, mins, groups, out, out_stride, rows, begin, end);
@@ -159,7 +166,8 @@ bool int4_pairs_available() {
 int64_t int4_pairs_max_rows() { return kMaxPairRows; }
 
 // x [rows, in] bfloat16 (rows 1..kMaxPairRows, unit stride in features) times the int4 weight, whose
-// format int4_linear has checked; [rows, out] bfloat16. Callers check int4_pairs_available().
+// format the caller has checked (scales and mins float16 or float32, of one dtype); [rows, out] bfloat16.
+// Callers check int4_pairs_available().
 at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const at::Tensor& mins) {
   const int64_t rows = x.size(0), out_features = packed.size(0), in = packed.size(1) * 2;
@@ -174,12 +182,16 @@ at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, cons
                sums.data_ptr<float>(), pairs, sum_stride);
   const PairedRows paired{values.data_ptr<c10::BFloat16>(), sums.data_ptr<float>(), pairs, sum_stride};
   const auto* wp = packed.data_ptr<uint8_t>();
-  const auto* dp = scales.data_ptr<c10::Half>();
-  const auto* mp = mins.data_ptr<c10::Half>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, out_features, kOutputsPerTask, [&](int64_t begin, int64_t end) {
-    pair_pass<kMaxPairRows>(paired, wp, dp, mp, groups, op, out_features, rows, begin, end);
-  });
+  const auto run = [&](const auto* dp, const auto* mp) {
+    at::parallel_for(0, out_features, kOutputsPerTask, [&](int64_t begin, int64_t end) {
+      pair_pass<kMaxPairRows>(paired, wp, dp, mp, groups, op, out_features, rows, begin, end);
+    });
+  };
+  if (scales.scalar_type() == at::kFloat)
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  else
+    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
 #else
   (void)in;
   TORCH_CHECK(false, "the int4 level-sums kernel needs AVX512-BF16");
@@ -189,7 +201,47 @@ at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, cons
 
 }  // namespace tokenmill::ops
 
+namespace tokenmill {
+namespace {
+
+// The op for weights in groups of 32 with float32 scales and minimums (layers/k4.py: a GGUF K-quant's
+// 4-bit layers, whose per-group scale d_super * sc and minimum -dmin * m are exact in float32, not in
+// float16), or float16 ones: x [rows, in] bfloat16, 1 to kMaxPairRows rows with contiguous features.
+at::Tensor int4_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins) {
+  TORCH_CHECK(ops::int4_pairs_available(), "int4_sums_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "int4_sums_linear: x must be a bfloat16 CPU tensor [rows, in] with contiguous features");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              "int4_sums_linear: packed must be contiguous uint8 [out, in / 2]");
+  const int64_t out_features = packed.size(0), in = packed.size(1) * 2;
+  TORCH_CHECK(in % kGroup == 0 && x.size(1) == in, "int4_sums_linear: x has ", x.size(1),
+              " features, the weight ", in, " (a multiple of ", kGroup, ")");
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == out_features && t->size(1) == in / kGroup,
+                "int4_sums_linear: scales and mins must be contiguous float32 (or both float16) [", out_features,
+                ", ", in / kGroup, "]");
+  }
+  return ops::int4_linear_pairs(x, packed, scales, mins);
+}
+
+}  // namespace
+}  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor int4_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins) {
+  return ::tokenmill::int4_sums_linear(x, packed, scales, mins);
+}
+}  // namespace tokenmill::ops
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int4_pairs_available() -> bool", &tokenmill::ops::int4_pairs_available);
   m.def("int4_pairs_max_rows() -> int", &tokenmill::ops::int4_pairs_max_rows);
+  m.def("int4_sums_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("int4_sums_linear", &tokenmill::int4_sums_linear); }

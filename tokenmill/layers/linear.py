@@ -21,6 +21,7 @@ from tokenmill.layers.cpu_gemm import (
     packing_available,
 )
 from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
+from tokenmill.layers.k4 import K4Weight
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight, exact_small_level_groups
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
@@ -67,6 +68,8 @@ class LinearBase(nn.Module):
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None
         self.q8_weight: Q8Weight | None = None  # exact 8-bit groups (layers/q8.py), small steps
+        # Exact 4-bit groups with float32 scales (a GGUF's Q4_K tensor: layers/k4.py), small steps.
+        self.k4_weight: K4Weight | None = None
         # Deterministic mode (layers/batch_invariant.py invariant_product): a batch-invariant row kernel,
         # or products on multiples of this many rows through the float weight; 0 (the default) lets
         # each batch take its fastest kernel.
@@ -118,6 +121,9 @@ class LinearBase(nn.Module):
             return self.int4_weight.linear(x, bias)
         if self.q8_weight is not None and self.q8_weight.takes(x):
             out = self.q8_weight.linear(x)  # [rows, out_features]
+            return out if bias is None else out + bias
+        if self.k4_weight is not None and self.k4_weight.takes(x):
+            out = self.k4_weight.linear(x)  # [rows, out_features]
             return out if bias is None else out + bias
         if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):
             return int8_linear(x, self.int8_weight, self.int8_scales, bias)

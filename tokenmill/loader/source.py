@@ -33,6 +33,9 @@ class ModelSource:
     path: str  # folder ("hf") or .gguf file ("gguf")
     format: str  # "hf" or "gguf"
     hf_config: transformers.PretrainedConfig
+    # The .gguf file the weights come from, also when they load from its converted folder ("hf"):
+    # the model runner reads its Q4_K tensors' exact groups from it (loader/gguf_k4.py). None otherwise.
+    gguf_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -117,19 +120,29 @@ def resolve_model(name_or_path: str) -> ModelSource:
         if cached is not None:
             logger.info("loading %s from its converted copy %s", path, cached)
             return ModelSource(
-                name=name_or_path, path=cached, format="hf", hf_config=hf_loader.load_config(cached)
+                name=name_or_path,
+                path=cached,
+                format="hf",
+                hf_config=hf_loader.load_config(cached),
+                gguf_path=path,
             )
         gguf_loader.check_supported(path)
         if gguf_conversion_enabled():
             folder = _converted(path)
             if folder is not None:
                 return ModelSource(
-                    name=name_or_path, path=folder, format="hf", hf_config=hf_loader.load_config(folder)
+                    name=name_or_path,
+                    path=folder,
+                    format="hf",
+                    hf_config=hf_loader.load_config(folder),
+                    gguf_path=path,
                 )
         config = gguf_loader.load_config(path)
     else:
         config = hf_loader.load_config(path)
-    return ModelSource(name=name_or_path, path=path, format=fmt, hf_config=config)
+    return ModelSource(
+        name=name_or_path, path=path, format=fmt, hf_config=config, gguf_path=path if fmt == "gguf" else None
+    )
 
 
 def _converted(gguf_path: str) -> str | None:

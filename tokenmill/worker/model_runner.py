@@ -36,6 +36,7 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import check_quantization
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.loader import ModelSource
+from tokenmill.loader.gguf_k4 import keep_exact_k4
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.base import prepare_for_inference
 from tokenmill.protocol import PositionLogprobs
@@ -104,7 +105,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model, self.model_impl, description = load_model(config, source, tp, self.dtype, self.device)
         if self.model_impl == "native":
-            quantized, exact_int4, exact_q8 = self._derive_weights()
+            quantized, exact_int4, exact_q8 = self._derive_weights(source.gguf_path)
             if quantized:
                 description += f", {config.model.quantization} weights in {quantized} layers"
             if exact_int4:
@@ -158,16 +159,20 @@ class ModelRunner:
         self._kv_dtype = kv_dtype
         self._released_weights: dict[str, torch.Size] | None = None
 
-    def _derive_weights(self) -> tuple[int, int, int]:
+    def _derive_weights(self, gguf: str | None = None) -> tuple[int, int, int]:
         """Derive what the layers keep beside their loaded weights: quantized copies (or the exact
-        int4 / 8-bit ones), then packed matrices and fused stacks. Returns the quantized layers, the
-        exact int4 layers and the exact 8-bit heads. Run at load and after every weight update."""
+        int4 / 8-bit ones, and at load from ``gguf``, the file's exact Q4_K groups:
+        ``loader/gguf_k4.py``), then packed matrices and fused stacks. Returns the quantized layers,
+        the exact int4 layers (Q4_K ones included) and the exact 8-bit heads. Run at load and after
+        every weight update."""
         kind = self.config.model.quantization
         quantized = self._quantize(kind)
         keep_exact = (
             kind is None
         )  # the deterministic mode runs them on their row kernels (batch_invariant.py)
         exact_int4, exact_q8 = self._keep_exact_copies() if keep_exact else (0, 0)
+        if keep_exact and gguf is not None and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            exact_int4 += keep_exact_k4(self.model, gguf)
         prepare_for_inference(self.model)
         if self.config.deterministic:
             make_batch_invariant(self.model)

@@ -110,24 +110,30 @@ def test_chat_is_refused_for_lack_of_a_chat_template(gemma_run: Run) -> None:
         gemma_run.llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4))
 
 
-def test_bfloat16_keeps_the_q4_k_layers_exact_on_the_level_sums_kernel() -> None:
+def test_bfloat16_keeps_the_q4_k_and_q5_0_layers_exact_on_the_level_sums_kernel() -> None:
     """In bfloat16 (the default) the GGUF's 27 Q4_K layers (every o_proj, half the down_proj) get
-    their exact 4-bit groups with float32 scales (``loader/gguf_k4.py``) where the level-sums kernel
-    runs, and the fused stack multiplies with them; the output still counts on."""
-    from tokenmill.layers.gemma_decode_stack import KIND_K4
+    their exact 4-bit groups with float32 scales (``loader/gguf_k4.py``) and its 27 all-Q5_0 ones
+    (every gate/up, the q/k/v whose v is Q5_0) their 5-bit levels, where the level-sums kernel runs;
+    the fused stack multiplies with them, and the output still counts on."""
+    from tokenmill.layers.gemma_decode_stack import KIND_LEVELS
     from tokenmill.layers.int4 import int4_pairs_available
     from tokenmill.layers.linear import LinearBase
 
     llm = LLM("gemma3-270m", num_blocks=32, block_size=16, max_model_len=256)
     model = llm.engine.executor.runner.model
-    given = [
-        name for name, m in model.named_modules() if isinstance(m, LinearBase) and m.k4_weight is not None
-    ]
+    levels = {
+        name: m.level_weight.high is not None
+        for name, m in model.named_modules()
+        if isinstance(m, LinearBase) and m.level_weight is not None
+    }
     if not int4_pairs_available():
-        assert given == []
+        assert levels == {}
         return
-    assert len(given) == 27 and sum("o_proj" in name for name in given) == 18
-    assert model.decode_stack is not None and model.decode_stack.kinds.count(KIND_K4) == 27
+    four = [name for name, five in levels.items() if not five]
+    five = [name for name, five in levels.items() if five]
+    assert len(four) == 27 and sum("o_proj" in name for name in four) == 18
+    assert len(five) == 27 and sum("gate_up_proj" in name for name in five) == 18
+    assert model.decode_stack is not None and model.decode_stack.kinds.count(KIND_LEVELS) == 54
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     (output,) = llm.generate([PROMPTS[3]], params, use_tqdm=False)
     assert llm.get_tokenizer().decode(output.outputs[0].token_ids).startswith(" 5, 6, 7, 8")

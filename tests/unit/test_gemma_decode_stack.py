@@ -14,9 +14,9 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.cpu_gemm import float32_panels_preferred
-from tokenmill.layers.gemma_decode_stack import KIND_BF16_ROWS, KIND_INT4, KIND_K4, KIND_PANELS, KIND_Q8
+from tokenmill.layers.gemma_decode_stack import KIND_BF16_ROWS, KIND_INT4, KIND_LEVELS, KIND_PANELS, KIND_Q8
 from tokenmill.layers.int4 import int4_max_rows, int4_pairs_available
-from tokenmill.layers.k4 import K4Weight, pack_levels
+from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.models.base import prepare_for_inference
 from tokenmill.step_control import LayerProgress
 
@@ -135,8 +135,10 @@ def test_gguf_like_layers_take_their_exact_kernels_in_the_stack(
         assert stack is None
         return
     assert stack is not None
-    assert stack.kinds == [KIND_Q8, KIND_INT4, KIND_Q8, KIND_BF16_ROWS] * NUM_LAYERS
-    assert stack.max_rows == 1  # the 8-bit kernel's bound
+    # Q5_0 groups take the level sums (5-bit levels) where they run, else the 8-bit kernel.
+    five = KIND_LEVELS if int4_pairs_available() else KIND_Q8
+    assert stack.kinds == [five, KIND_INT4, five, KIND_BF16_ROWS] * NUM_LAYERS
+    assert stack.max_rows == (2 if int4_pairs_available() else 1)  # the row kernel's or the 8-bit one's
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
 
 
@@ -145,7 +147,7 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     gguf_like_folder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Down projections holding exact 4-bit groups with float32 scales (a GGUF's Q4_K layers,
-    ``layers/k4.py``) take ``int4_sums_linear`` in the stack as in their modules."""
+    ``layers/level_sums.py``) take ``level_sums_linear`` in the stack as in their modules."""
     llm = LLM(gguf_like_folder, dtype="bfloat16", num_blocks=64, block_size=4, enable_prefix_caching=False)
     model = llm.engine.executor.runner.model
     torch.manual_seed(9)
@@ -154,14 +156,27 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
         out_features, in_features = down.weight.shape
         levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
         scales = torch.rand(out_features, in_features // 32) * 0.02  # float32, not float16 values
-        k4 = K4Weight(pack_levels(levels), scales, -8 * scales)
+        k4 = LevelWeight(pack_levels(levels), scales, -8 * scales)
         down.weight.data.copy_(k4.dequantize().to(torch.bfloat16))
-        down.k4_weight = k4
+        down.level_weight = k4
     prepare_for_inference(model)  # the stack again, over the new weights
     stack = model.decode_stack
     assert stack is not None
-    assert stack.kinds == [KIND_Q8, KIND_INT4, KIND_Q8, KIND_K4] * NUM_LAYERS
+    assert stack.kinds == [KIND_LEVELS, KIND_INT4, KIND_LEVELS, KIND_LEVELS] * NUM_LAYERS
+    assert stack.max_rows == 8
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
+    # Steps of several decodes too (the kernel's multi-row passes, in the stack and in the modules).
+    calls = _count_stack_rows(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    batch = [{"prompt_token_ids": p} for p in PROMPTS]
+    fused = [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)
+    ]
+    assert max(calls) == len(PROMPTS)
+    model.decode_stack = None
+    assert [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)
+    ] == fused
 
 
 def test_float32_steps_on_panels_run_fused_with_the_same_results(

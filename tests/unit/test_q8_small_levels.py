@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.layers.int4 import int4_pairs_available
 from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.layers.q8 import dequantize_q8_reference, exact_small_level_groups
 
@@ -60,12 +61,19 @@ def test_a_linear_layer_projects_single_rows_through_the_groups() -> None:
     layer.bias.data.copy_(torch.randn(96))
     before = layer.weight.data.clone()
     assert layer.keep_exact_q8()
-    assert layer.q8_weight is not None and torch.equal(layer.weight.data, before)  # weight unchanged
+    # The 8-bit copy, or where the level-sums kernel runs the 5-bit one (layers/level_sums.py).
+    assert (layer.q8_weight is None) == int4_pairs_available() and (
+        layer.level_weight is None
+    ) != int4_pairs_available()
+    assert torch.equal(layer.weight.data, before)  # weight unchanged
     x = torch.randn(1, 640, dtype=BF16)
-    expected = ((x.float() @ before.float().T).to(BF16) + layer.bias).float()
+    # The values each copy computes with: the bfloat16 weight (8-bit), the unrounded d * q (5-bit).
+    values = before.float() if layer.level_weight is None else layer.level_weight.dequantize()
+    expected = ((x.float() @ values.T).to(BF16) + layer.bias).float()
     got = layer(x)
     assert got.dtype == BF16 and got.shape == (1, 96)
-    # The kernel accumulates in float32 in another order; each output is one bfloat16 rounding apart.
+    # The kernel accumulates in float32 in another order (the level sums with the unrounded values);
+    # each output is about one bfloat16 rounding apart.
     assert torch.allclose(got.float(), expected, rtol=2**-6, atol=1e-2)
     plain = ColumnParallelLinear(64, 8, bias=False, dtype=BF16)
     plain.weight.data.copy_(torch.randn(8, 64))

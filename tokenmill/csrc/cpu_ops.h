@@ -38,11 +38,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 bool int4_pairs_available();
 int64_t int4_pairs_max_rows();
 at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                             const at::Tensor& mins);
-// The same kernel for 4-bit groups with float32 scales and minimums (or float16), formats checked
-// (int4_pairs_cpu.cpp; layers/k4.py).
-at::Tensor int4_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins);
+                             const at::Tensor& mins, const std::optional<at::Tensor>& high);
+// The same kernel for 4-bit levels (5-bit with `high`) with float32 scales and minimums (or float16),
+// formats checked (int4_pairs_cpu.cpp; layers/level_sums.py).
+at::Tensor level_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // float32 rows times int4 / exact 8-bit groups (group_gemm_f32_cpu.cpp); the formats checked by the caller.
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);

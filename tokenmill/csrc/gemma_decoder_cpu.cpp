@@ -11,8 +11,8 @@
 //
 // `linear` is, per projection, the kernel the layer module takes for the step's rows
 // (layers/linear.py LinearBase._matmul): int4_linear (its automatic choice), q8_linear (exact 8-bit
-// groups), int4_sums_linear (a GGUF K-quant's exact 4-bit groups), batch_invariant_linear (a bfloat16 weight's row kernel, cpu_gemm.bf16_row_linear) or
-// f32_panel_linear (float32 panels), each bias added as the module adds it. The caller
+// groups), level_sums_linear (a GGUF's exact Q4_K or Q5_0 groups), batch_invariant_linear (a bfloat16
+// weight's row kernel, cpu_gemm.bf16_row_linear) or f32_panel_linear (float32 panels), each bias added as the module adds it. The caller
 // (layers/gemma_decode_stack.py) picks the kinds and sends only steps every projection takes.
 //
 // Why: Gemma 3 270M's single-stream decode step spent ~4 ms of ~15 in Python and the dispatcher
@@ -26,8 +26,8 @@
 //                 projections qkv, o, gate_up, down as its kind says
 //   kinds         [4 L]: per projection 0 int4 (packed, scales, mins: layers/int4.py), 1 exact 8-bit
 //                 groups (q, scales: layers/q8.py), 2 a bfloat16 weight [out, in] on the row kernel,
-//                 3 float32 panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp), 4 4-bit groups with float32
-//                 scales (packed, scales, mins: layers/k4.py, int4_sums_linear)
+//                 3 float32 panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp), 4 level sums (packed, scales,
+//                 mins, fifth bits or an empty tensor: layers/level_sums.py, level_sums_linear)
 //   out_features  [4 L]: each projection's outputs
 //   biases        [4 L]: each projection's bias or None
 //   kv_caches     per layer [2, num_blocks, block_size, kv_heads, head_dim]
@@ -65,8 +65,9 @@ enum Kind : int64_t { kInt4 = 0, kQ8 = 1, kBf16Rows = 2, kPanels = 3, kSums = 4 
 int64_t tensors_of(int64_t kind) {
   switch (kind) {
     case kInt4:
-    case kSums:
       return 3;
+    case kSums:
+      return 4;
     case kQ8:
       return 2;
     case kBf16Rows:
@@ -74,7 +75,7 @@ int64_t tensors_of(int64_t kind) {
       return 1;
     default:
       TORCH_CHECK(false, "projection kind must be 0 (int4), 1 (8-bit groups), 2 (bfloat16 rows), 3 (float32 "
-                         "panels) or 4 (4-bit groups with float32 scales), got ", kind);
+                         "panels) or 4 (level sums), got ", kind);
   }
 }
 
@@ -97,8 +98,9 @@ struct Projection {
       case kBf16Rows:
         out = ops::batch_invariant_linear(x, tensors[0]);
         break;
-      case kSums:
-        out = ops::int4_sums_linear(x, tensors[0], tensors[1], tensors[2]);
+      case kSums:  // an empty fourth tensor: 4-bit levels
+        out = ops::level_sums_linear(x, tensors[0], tensors[1], tensors[2],
+                                     tensors[3].numel() > 0 ? std::optional<at::Tensor>(tensors[3]) : std::nullopt);
         break;
       default:
         return ops::f32_panel_linear(x, tensors[0], bias, out_features);  // the bias inside, as the module

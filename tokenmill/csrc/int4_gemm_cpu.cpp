@@ -422,7 +422,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(method != kPairs || pairs_fit, "the int4 level-sums kernel needs AVX512-BF16 and 1 to ",
               ops::int4_pairs_max_rows(), " rows");
   if (method == kPairs || (method == kAuto && !tiles && pairs_fit && out_features > 0))
-    return ops::int4_linear_pairs(x, packed, scales, mins);
+    return ops::int4_linear_pairs(x, packed, scales, mins, std::nullopt);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return out;
   const auto* xp = x.data_ptr<c10::BFloat16>();

@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #include "cpu_ops.h"
 #include "group_gemm.h"
@@ -81,10 +83,14 @@ inline __m512 load_scales(const c10::Half* p, __mmask16 lanes) {
 inline __m512 load_scales(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 
 // out[r, o] for the step's ROWS rows and outputs [begin, end); Scale is c10::Half (layers/int4.py) or
-// float (layers/k4.py: a GGUF K-quant's sub-block scales times its super-block's, exact in float32).
-template <int ROWS, typename Scale>
+// float (layers/level_sums.py: a GGUF K-quant's sub-block scales times its super-block's, exact in float32).
+//
+// With FIVE, levels have a fifth bit: high[o * groups + g] holds group g's 32 of them (bit j: element j's,
+// worth 16), added to the words before the products (levels 0..31 are exact bfloat16 too, 128 + q).
+template <int ROWS, typename Scale, bool FIVE>
 void pair_rows(const PairedRows& x, const uint8_t* packed, const Scale* scales, const Scale* mins,
-               int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
+               const uint32_t* high, int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t begin,
+               int64_t end) {
   // A level q in 0..15 becomes the bfloat16 128 + q by setting the exponent bits of 128 above it
   // (bfloat16 0x4300 is 128, whose last mantissa bit is worth 1): no table lookup. The sums then hold
   // 128 * sum(x) besides sum(x * q), which the minimums' term takes back (m - 128 d).
@@ -93,6 +99,7 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const Scale* scales, 
   const __m512 minus_128 = _mm512_set1_ps(-128.0f);
   // Lanes 0..7 take a pair's first group's scale, lanes 8..15 its second's (indices into 16 groups).
   const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i fifth_bit = _mm512_set1_epi16(16);
   const int64_t pairs = x.pairs;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* w = packed + o * groups * kGroupBytes;
@@ -117,8 +124,19 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const Scale* scales, 
                                                    : _mm256_maskz_loadu_epi8(0xFFFF, bytes);
         const __m512i words = _mm512_cvtepu8_epi16(packed_pair);
         // (words & 0x0F) | 0x4300, and (words >> 4) | 0x4300.
-        const __m512bh low = (__m512bh)_mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);
-        const __m512bh high = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
+        __m512i low_words = _mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);
+        __m512i high_words = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
+        if constexpr (FIVE) {
+          // Lanes 0..15 are group g's elements 0..15 (low) or 16..31 (high), lanes 16..31 group g+1's.
+          const uint32_t* bits = high + o * groups + g;
+          const uint32_t first = bits[0], second = g + 1 < groups ? bits[1] : 0u;
+          const __mmask32 low_bits = (first & 0xFFFFu) | (second << 16);
+          const __mmask32 high_bits = (first >> 16) | (second & 0xFFFF0000u);
+          low_words = _mm512_mask_add_epi16(low_words, low_bits, low_words, fifth_bit);
+          high_words = _mm512_mask_add_epi16(high_words, high_bits, high_words, fifth_bit);
+        }
+        const __m512bh low = (__m512bh)low_words;
+        const __m512bh high = (__m512bh)high_words;
         const __m512 pair_scales = _mm512_permutexvar_ps(pair_index, d);
         pair_index = _mm512_add_epi32(pair_index, _mm512_set1_epi32(2));
         const int64_t p = g / 2;
@@ -136,16 +154,17 @@ void pair_rows(const PairedRows& x, const uint8_t* packed, const Scale* scales, 
   }
 }
 
-template <int ROWS, typename Scale>
-void pair_pass(const PairedRows& x, const uint8_t* packed, const Scale* scales, const Scale* mins, int64_t groups,
-               c10::BFloat16* out, int64_t out_stride, int64_t rows, int64_t begin, int64_t end) {
+template <int ROWS, typename Scale, bool FIVE>
+void pair_pass(const PairedRows& x, const uint8_t* packed, const Scale* scales, const Scale* mins,
+               const uint32_t* high, int64_t groups, c10::BFloat16* out, int64_t out_stride, int64_t rows,
+               int64_t begin, int64_t end) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
-      pair_pass<ROWS - 1>(x, packed, scales, mins, groups, out, out_stride, rows, begin, end);
+      pair_pass<ROWS - 1, Scale, FIVE>(x, packed, scales, mins, high, groups, out, out_stride, rows, begin, end);
       return;
     }
   }
-  pair_rows<ROWS>(x, packed, scales, mins, groups, out, out_stride, begin, end);
+  pair_rows<ROWS, Scale, FIVE>(x, packed, scales, mins, high, groups, out, out_stride, begin, end);
 }
 
 #endif  // TOKENMILL_GROUP_AVX512
@@ -166,10 +185,10 @@ bool int4_pairs_available() {
 int64_t int4_pairs_max_rows() { return kMaxPairRows; }
 
 // x [rows, in] bfloat16 (rows 1..kMaxPairRows, unit stride in features) times the int4 weight, whose
-// format the caller has checked (scales and mins float16 or float32, of one dtype); [rows, out] bfloat16.
-// Callers check int4_pairs_available().
+// format the caller has checked (scales and mins float16 or float32, of one dtype; `high`, when given,
+// the levels' fifth bits [out, in / 32] int32); [rows, out] bfloat16. Callers check int4_pairs_available().
 at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                             const at::Tensor& mins) {
+                             const at::Tensor& mins, const std::optional<at::Tensor>& high) {
   const int64_t rows = x.size(0), out_features = packed.size(0), in = packed.size(1) * 2;
   TORCH_CHECK(rows >= 1 && rows <= kMaxPairRows, "the int4 level-sums kernel takes 1 to ", kMaxPairRows,
               " rows, got ", rows);
@@ -183,9 +202,15 @@ at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, cons
   const PairedRows paired{values.data_ptr<c10::BFloat16>(), sums.data_ptr<float>(), pairs, sum_stride};
   const auto* wp = packed.data_ptr<uint8_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
+  const auto* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   const auto run = [&](const auto* dp, const auto* mp) {
     at::parallel_for(0, out_features, kOutputsPerTask, [&](int64_t begin, int64_t end) {
-      pair_pass<kMaxPairRows>(paired, wp, dp, mp, groups, op, out_features, rows, begin, end);
+      if (hp != nullptr)
+        pair_pass<kMaxPairRows, std::remove_const_t<std::remove_pointer_t<decltype(dp)>>, true>(
+            paired, wp, dp, mp, hp, groups, op, out_features, rows, begin, end);
+      else
+        pair_pass<kMaxPairRows, std::remove_const_t<std::remove_pointer_t<decltype(dp)>>, false>(
+            paired, wp, dp, mp, nullptr, groups, op, out_features, rows, begin, end);
     });
   };
   if (scales.scalar_type() == at::kFloat)
@@ -204,44 +229,49 @@ at::Tensor int4_linear_pairs(const at::Tensor& x, const at::Tensor& packed, cons
 namespace tokenmill {
 namespace {
 
-// The op for weights in groups of 32 with float32 scales and minimums (layers/k4.py: a GGUF K-quant's
-// 4-bit layers, whose per-group scale d_super * sc and minimum -dmin * m are exact in float32, not in
-// float16), or float16 ones: x [rows, in] bfloat16, 1 to kMaxPairRows rows with contiguous features.
-at::Tensor int4_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins) {
-  TORCH_CHECK(ops::int4_pairs_available(), "int4_sums_linear needs a CPU with AVX512-BF16");
+// The op for weights in groups of 32 of 4-bit levels (5-bit with `high`: a Q5_0 tensor's) with float32
+// scales and minimums (layers/level_sums.py: a GGUF K-quant's 4-bit layers, whose per-group scale
+// d_super * sc and minimum -dmin * m are exact in float32, not in float16) or float16 ones: x [rows, in]
+// bfloat16, 1 to kMaxPairRows rows with contiguous features.
+at::Tensor level_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  TORCH_CHECK(ops::int4_pairs_available(), "level_sums_linear needs a CPU with AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "int4_sums_linear: x must be a bfloat16 CPU tensor [rows, in] with contiguous features");
+              "level_sums_linear: x must be a bfloat16 CPU tensor [rows, in] with contiguous features");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
-              "int4_sums_linear: packed must be contiguous uint8 [out, in / 2]");
+              "level_sums_linear: packed must be contiguous uint8 [out, in / 2]");
   const int64_t out_features = packed.size(0), in = packed.size(1) * 2;
-  TORCH_CHECK(in % kGroup == 0 && x.size(1) == in, "int4_sums_linear: x has ", x.size(1),
+  TORCH_CHECK(in % kGroup == 0 && x.size(1) == in, "level_sums_linear: x has ", x.size(1),
               " features, the weight ", in, " (a multiple of ", kGroup, ")");
   for (const at::Tensor* t : {&scales, &mins}) {
     TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
                     t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
                     t->size(0) == out_features && t->size(1) == in / kGroup,
-                "int4_sums_linear: scales and mins must be contiguous float32 (or both float16) [", out_features,
+                "level_sums_linear: scales and mins must be contiguous float32 (or both float16) [", out_features,
                 ", ", in / kGroup, "]");
   }
-  return ops::int4_linear_pairs(x, packed, scales, mins);
+  TORCH_CHECK(!high.has_value() || (high->device().is_cpu() && high->scalar_type() == at::kInt &&
+                                     high->is_contiguous() && high->dim() == 2 && high->size(0) == out_features &&
+                                     high->size(1) == in / kGroup),
+              "level_sums_linear: high must be contiguous int32 [", out_features, ", ", in / kGroup, "]");
+  return ops::int4_linear_pairs(x, packed, scales, mins, high);
 }
 
 }  // namespace
 }  // namespace tokenmill
 
 namespace tokenmill::ops {
-at::Tensor int4_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins) {
-  return ::tokenmill::int4_sums_linear(x, packed, scales, mins);
+at::Tensor level_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  return ::tokenmill::level_sums_linear(x, packed, scales, mins, high);
 }
 }  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int4_pairs_available() -> bool", &tokenmill::ops::int4_pairs_available);
   m.def("int4_pairs_max_rows() -> int", &tokenmill::ops::int4_pairs_max_rows);
-  m.def("int4_sums_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("level_sums_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? high=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("int4_sums_linear", &tokenmill::int4_sums_linear); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("level_sums_linear", &tokenmill::level_sums_linear); }

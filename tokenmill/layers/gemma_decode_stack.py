@@ -38,7 +38,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
 
 # The op's projection kinds (csrc/gemma_decoder_cpu.cpp).
-KIND_INT4, KIND_Q8, KIND_BF16_ROWS, KIND_PANELS, KIND_K4 = 0, 1, 2, 3, 4
+KIND_INT4, KIND_Q8, KIND_BF16_ROWS, KIND_PANELS, KIND_LEVELS = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -73,7 +73,12 @@ class StackProjection:
         if linear.tp_size != 1 or linear.row_tile or linear.weight.dtype != dtype:
             return None
         bf16 = dtype == torch.bfloat16
-        int4, q8, k4, packed = linear.int4_weight, linear.q8_weight, linear.k4_weight, linear.packed_weight
+        int4, q8, levels, packed = (
+            linear.int4_weight,
+            linear.q8_weight,
+            linear.level_weight,
+            linear.packed_weight,
+        )
         if int4 is not None:
             tensors, kind = [int4.packed, int4.scales, int4.mins], KIND_INT4
             max_rows = int4.max_rows if bf16 else INT4_FLOAT32_MAX_ROWS
@@ -81,8 +86,13 @@ class StackProjection:
             return None
         elif q8 is not None:
             tensors, kind, max_rows = [q8.q, q8.scales], KIND_Q8, q8.max_rows if bf16 else Q8_FLOAT32_MAX_ROWS
-        elif k4 is not None and bf16:
-            tensors, kind, max_rows = [k4.packed, k4.scales, k4.mins], KIND_K4, k4.max_rows
+        elif levels is not None and bf16:
+            high = levels.high if levels.high is not None else levels.packed.new_empty(0)  # empty: 4 bits
+            tensors, kind, max_rows = (
+                [levels.packed, levels.scales, levels.mins, high],
+                KIND_LEVELS,
+                levels.max_rows,
+            )
         elif packed is not None and bf16 and bf16_row_weight(linear.weight):
             tensors, kind, max_rows = [linear.weight], KIND_BF16_ROWS, BF16_ROW_KERNEL_MAX_ROWS
         elif packed is not None and not bf16 and packed.panels:

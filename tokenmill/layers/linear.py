@@ -20,8 +20,8 @@ from tokenmill.layers.cpu_gemm import (
     packed_linear,
     packing_available,
 )
-from tokenmill.layers.int4 import Int4Weight, quantize_int4_weight
-from tokenmill.layers.k4 import K4Weight
+from tokenmill.layers.int4 import Int4Weight, int4_pairs_available, quantize_int4_weight
+from tokenmill.layers.level_sums import LevelWeight, five_bit_weight
 from tokenmill.layers.q8 import Q8Weight, exact_q8_weight, exact_small_level_groups
 from tokenmill.layers.quantization import dequantize_int8_rows, int8_linear, int8_rows, quantize_int8_rows
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
@@ -68,8 +68,8 @@ class LinearBase(nn.Module):
         self.int8_scales: torch.Tensor | None = None  # [out_features]
         self.int4_weight: Int4Weight | None = None
         self.q8_weight: Q8Weight | None = None  # exact 8-bit groups (layers/q8.py), small steps
-        # Exact 4-bit groups with float32 scales (a GGUF's Q4_K tensor: layers/k4.py), small steps.
-        self.k4_weight: K4Weight | None = None
+        # Exact groups of 4- or 5-bit levels (a GGUF's Q4_K or Q5_0 tensor: layers/level_sums.py), small steps.
+        self.level_weight: LevelWeight | None = None
         # Deterministic mode (layers/batch_invariant.py invariant_product): a batch-invariant row kernel,
         # or products on multiples of this many rows through the float weight; 0 (the default) lets
         # each batch take its fastest kernel.
@@ -104,11 +104,17 @@ class LinearBase(nn.Module):
     def keep_exact_q8(self) -> bool:
         """Give small steps the 8-bit kernel when the weight is exactly 8-bit groups of small levels
         (a Q8_0 or Q5_0 GGUF tensor: ``q8.exact_small_level_groups``) and has no int4/int8 copy; the
-        weight is unchanged. Returns whether it did."""
+        weight is unchanged. Groups whose levels all fit five bits (Q5_0) in a bfloat16 layer take the
+        level-sums kernel instead where it runs (``level_sums.five_bit_weight``: 5.5 bits a weight,
+        up to 8 rows). Returns whether it kept either."""
         if self.int4_weight is not None or self.int8_weight is not None:
             return False
         self.q8_weight = exact_q8_weight(self.weight.data, exact_small_level_groups)
-        return self.q8_weight is not None
+        if self.q8_weight is not None and self.weight.dtype == torch.bfloat16 and int4_pairs_available():
+            five = five_bit_weight(self.q8_weight.q, self.q8_weight.scales)
+            if five is not None:
+                self.level_weight, self.q8_weight = five, None
+        return self.q8_weight is not None or self.level_weight is not None
 
     def prepare_for_inference(self) -> None:
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
@@ -122,8 +128,8 @@ class LinearBase(nn.Module):
         if self.q8_weight is not None and self.q8_weight.takes(x):
             out = self.q8_weight.linear(x)  # [rows, out_features]
             return out if bias is None else out + bias
-        if self.k4_weight is not None and self.k4_weight.takes(x):
-            out = self.k4_weight.linear(x)  # [rows, out_features]
+        if self.level_weight is not None and self.level_weight.takes(x):
+            out = self.level_weight.linear(x)  # [rows, out_features]
             return out if bias is None else out + bias
         if self.int8_weight is not None and self.int8_scales is not None and int8_rows(x, self.int8_scales):
             return int8_linear(x, self.int8_weight, self.int8_scales, bias)

@@ -1,5 +1,5 @@
-"""A GGUF's Q4_K tensors as exact 4-bit groups with float32 scales (``layers/k4.py``), for the layers
-that hold them.
+"""A GGUF's Q4_K tensors as exact 4-bit groups with float32 scales (``layers/level_sums.py``), for the
+layers that hold them.
 
 The weight loader dequantizes every tensor (``gguf_loader.iter_weights``), and a Q4_K tensor's
 values in bfloat16 no longer tell its groups' scales (``d * sc`` needs 17 bits). So once the model is
@@ -25,7 +25,7 @@ from torch import nn
 
 from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.int4 import int4_pairs_available
-from tokenmill.layers.k4 import K4Weight, k4_values, pack_levels
+from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.layers.linear import LinearBase
 from tokenmill.loader.gguf_loader import open_reader
 
@@ -61,9 +61,9 @@ def _key(shape: tuple[int, ...], first_row: torch.Tensor) -> tuple[tuple[int, ..
     return tuple(shape), first_row.contiguous().view(torch.int16).numpy().tobytes()
 
 
-def iter_q4_k(path: str, wanted: set[tuple[tuple[int, ...], bytes]]) -> Iterator[K4Weight]:
+def iter_q4_k(path: str, wanted: set[tuple[tuple[int, ...], bytes]]) -> Iterator[LevelWeight]:
     """The 2-D Q4_K tensors of the GGUF at ``path`` whose first row, rounded to bfloat16, has a key in
-    ``wanted`` (only those are decoded whole), as ``K4Weight`` s."""
+    ``wanted`` (only those are decoded whole), as ``LevelWeight`` s."""
     for tensor in open_reader(path).tensors:
         if tensor.tensor_type != GGMLQuantizationType.Q4_K or len(tensor.shape) != 2:
             continue
@@ -71,10 +71,10 @@ def iter_q4_k(path: str, wanted: set[tuple[tuple[int, ...], bytes]]) -> Iterator
         if in_features % SUPER_BLOCK:
             continue
         raw = np.asarray(tensor.data).reshape(out_features, -1)  # [out, in / 256 * 144]
-        first = k4_values(*_packed(decode_q4_k(raw[:1], 1, in_features)))  # [1, in] float32
+        first = LevelWeight(*_packed(decode_q4_k(raw[:1], 1, in_features))).dequantize()  # [1, in] float32
         if _key((out_features, in_features), first[0].to(torch.bfloat16)) not in wanted:
             continue
-        yield K4Weight(*_packed(decode_q4_k(raw, out_features, in_features)))
+        yield LevelWeight(*_packed(decode_q4_k(raw, out_features, in_features)))
 
 
 def _packed(decoded: _LevelsAndScales) -> _LevelsAndScales:
@@ -84,7 +84,7 @@ def _packed(decoded: _LevelsAndScales) -> _LevelsAndScales:
 
 def keep_exact_k4(model: nn.Module, path: str) -> int:
     """Give each bfloat16 CPU linear layer with no exact copy yet (int4, 8-bit groups, int8) the Q4_K
-    tensor of the GGUF at ``path`` whose values it holds exactly, as ``k4_weight``; returns how many.
+    tensor of the GGUF at ``path`` whose values it holds exactly, as ``level_weight``; returns how many.
     0 (nothing changes) without the level-sums kernel (AVX512-BF16)."""
     if load_error() is not None or not int4_pairs_available():
         return 0
@@ -108,7 +108,7 @@ def keep_exact_k4(model: nn.Module, path: str) -> int:
     for k4 in iter_q4_k(path, set(candidates)):
         values = k4.dequantize().to(torch.bfloat16)  # [out, in]
         for module in candidates.get(_key(tuple(values.shape), values[0]), []):
-            if module.k4_weight is None and torch.equal(module.weight.data, values):
-                module.k4_weight = k4
+            if module.level_weight is None and torch.equal(module.weight.data, values):
+                module.level_weight = k4
                 count += 1
     return count

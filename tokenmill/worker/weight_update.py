@@ -46,7 +46,7 @@ DERIVED_WEIGHT_ATTRIBUTES = (
     "int4_weight",
     "dequantized_weight",
     "q8_weight",
-    "k4_weight",
+    "level_weight",
     "one_plus_weight",
     "decode_stack",
 )

@@ -1,6 +1,6 @@
-"""Exact 4-bit groups with float32 scales (``layers/k4.py``): a GGUF's Q4_K tensors decoded
-(``loader/gguf_k4.py``), multiplied on the level-sums kernel (``int4_sums_linear``), and given to the
-layers whose weights they hold exactly."""
+"""Exact GGUF groups on the level-sums kernel (``layers/level_sums.py``): a Q4_K tensor's 4-bit levels
+with float32 scales, decoded from the file (``loader/gguf_k4.py``) and given to the layers whose
+weights they hold exactly; a Q5_0 tensor's 5-bit levels, found from the layer's own values."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
+from tests.unit.test_q8_small_levels import q5_0_like
 from tokenmill.layers.int4 import INT4_PAIRS_MAX_ROWS, int4_pairs_available
-from tokenmill.layers.k4 import K4Weight, k4_values, pack_levels, unpack_levels
+from tokenmill.layers.level_sums import LevelWeight, five_bit_weight, pack_levels, unpack_levels
 from tokenmill.layers.linear import RowParallelLinear
+from tokenmill.layers.q8 import exact_small_level_groups
 from tokenmill.loader.gguf_k4 import BLOCK_BYTES, SUPER_BLOCK, decode_q4_k, keep_exact_k4
 
 
@@ -40,22 +42,36 @@ def test_q4_k_decodes_to_the_gguf_packages_values(shape: tuple[int, int]) -> Non
     )
     packed = pack_levels(levels)
     assert torch.equal(unpack_levels(packed), levels)
-    assert torch.equal(k4_values(packed, scales, mins), reference)  # bit for bit
+    assert torch.equal(LevelWeight(packed, scales, mins).dequantize(), reference)  # bit for bit
 
 
-def _k4(out_features: int, in_features: int, seed: int) -> K4Weight:
+def _k4(out_features: int, in_features: int, seed: int) -> LevelWeight:
     levels, scales, mins = decode_q4_k(
         q4_k_blocks(out_features, in_features, seed), out_features, in_features
     )
-    return K4Weight(pack_levels(levels), scales, mins)
+    return LevelWeight(pack_levels(levels), scales, mins)
+
+
+def _q5_0(out_features: int, in_features: int) -> LevelWeight:
+    """The 5-bit form of a Q5_0-like weight's exact groups (a seed whose groups all have it: a group
+    of tiny values may be found as 8-bit levels that are multiples of 7, say, with no 5-bit form)."""
+    torch.manual_seed(0)
+    groups = exact_small_level_groups(q5_0_like(out_features, in_features))
+    assert groups is not None
+    weight = five_bit_weight(*groups)
+    assert weight is not None and weight.high is not None
+    return weight
 
 
 @pytest.mark.skipif(not int4_pairs_available(), reason="the level-sums kernel needs AVX512-BF16")
 @pytest.mark.parametrize("rows", list(range(1, INT4_PAIRS_MAX_ROWS + 1)))
-def test_the_kernel_computes_with_the_exact_values(rows: int) -> None:
-    weight = _k4(96, 1280, seed=3)  # 40 groups: pairs and a block of 16 groups that is not full
+@pytest.mark.parametrize("kind", ["q4_k", "q5_0"])
+def test_the_kernel_computes_with_the_exact_values(rows: int, kind: str) -> None:
+    # 40 groups: pairs and a block of 16 groups that is not full; 39: a lone last group too.
+    weight = _k4(96, 1280, seed=3) if kind == "q4_k" else _q5_0(96, 1248)
+    in_features = 1280 if kind == "q4_k" else 1248
     torch.manual_seed(rows)
-    x = torch.randn(rows + 1, 1280).to(torch.bfloat16)[1:]  # rows of a strided view
+    x = torch.randn(rows + 1, in_features).to(torch.bfloat16)[1:]  # rows of a strided view
     exact = x.double() @ weight.dequantize().double().T  # [rows, 96]
     out = weight.linear(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
@@ -69,10 +85,10 @@ def test_the_op_names_what_it_refuses() -> None:
     weight = _k4(16, 256, seed=1)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     if not int4_pairs_available():
-        with pytest.raises(RuntimeError, match="int4_sums_linear needs a CPU with AVX512-BF16"):
+        with pytest.raises(RuntimeError, match="level_sums_linear needs a CPU with AVX512-BF16"):
             weight.linear(x)
         return
-    op = torch.ops.tokenmill.int4_sums_linear
+    op = torch.ops.tokenmill.level_sums_linear
     with pytest.raises(RuntimeError, match="x has 128 features, the weight 256"):
         op(x[:, :128], weight.packed, weight.scales, weight.mins)
     with pytest.raises(RuntimeError, match=r"scales and mins must be contiguous float32 \(or both float16\)"):
@@ -117,12 +133,45 @@ def test_layers_holding_a_q4_k_tensor_exactly_get_its_groups(tmp_path) -> None: 
         assert keep_exact_k4(layers, path) == 0  # nothing changes without the kernel
         return
     assert keep_exact_k4(layers, path) == 2
-    given = {name: layer.k4_weight is not None for name, layer in layers.items()}
+    given = {name: layer.level_weight is not None for name, layer in layers.items()}
     assert given == {"holds_a": True, "holds_b": True, "a_but_one_value": False, "random": False}
     # A single row now takes the kernel, with the exact values; three rows and more up to its bound too.
     x = torch.randn(3, 512).to(torch.bfloat16)
-    weight = layers["holds_a"].k4_weight
+    weight = layers["holds_a"].level_weight
     assert weight is not None
     assert torch.equal(layers["holds_a"](x), weight.linear(x))
     exact = x.double() @ weight.dequantize().double().T
     assert (layers["holds_a"](x).double() - exact).abs().max() <= 2.0**-7 * exact.abs().max()
+
+
+def test_a_q5_0_weight_keeps_its_levels_and_fifth_bits() -> None:
+    torch.manual_seed(4)
+    weight = q5_0_like(40, 256)  # bfloat16 d * (q - 16)
+    groups = exact_small_level_groups(weight)
+    assert groups is not None
+    five = five_bit_weight(*groups)
+    assert five is not None and five.high is not None and five.high.dtype == torch.int32
+    q = groups[0].to(torch.int16).reshape(40, -1, 32)
+    ours = (five.levels().to(torch.int16) - 16).reshape(40, -1, 32)
+    flipped = five.scales != groups[1]  # groups found with levels up to +16 are taken negated
+    assert flipped.any() and torch.equal(five.scales, torch.where(flipped, -groups[1], groups[1]))
+    assert torch.equal(ours, torch.where(flipped[..., None], -q, q))
+    assert five.scales.dtype == five.mins.dtype == torch.float16
+    # The values rounded to bfloat16 are the weight: the same weight, streamed at 5.5 bits.
+    assert torch.equal(five.dequantize().to(torch.bfloat16), weight)
+    # Levels outside -16..15 (a Q8_0 group) have no 5-bit form.
+    assert five_bit_weight(groups[0].clone().index_fill_(1, torch.tensor([3]), 17), groups[1]) is None
+
+
+def test_a_linear_layer_of_q5_0_values_takes_the_level_sums_up_to_eight_rows() -> None:
+    torch.manual_seed(6)
+    layer = RowParallelLinear(256, 48, dtype=torch.bfloat16)
+    layer.weight.data.copy_(q5_0_like(48, 256))
+    assert layer.keep_exact_q8()
+    if not int4_pairs_available():
+        assert layer.q8_weight is not None and layer.level_weight is None  # the 8-bit copy there
+        return
+    assert layer.q8_weight is None and layer.level_weight is not None and layer.level_weight.high is not None
+    for rows in (1, 8):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        assert torch.equal(layer(x), layer.level_weight.linear(x))

@@ -14,7 +14,6 @@ re-laid-out one, a weight changed since) is never given one.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -28,8 +27,6 @@ from tokenmill.layers.int4 import int4_pairs_available
 from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.layers.linear import LinearBase
 from tokenmill.loader.gguf_loader import open_reader
-
-logger = logging.getLogger(__name__)
 
 SUPER_BLOCK = 256  # weights per Q4_K block
 BLOCK_BYTES = 144  # float16 d and dmin, 12 bytes of scales, 128 of levels

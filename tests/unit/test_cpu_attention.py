@@ -587,10 +587,12 @@ def expected_decode(
     table: torch.Tensor,  # [blocks]
     seq_len: int,
     scale: float,
+    first: int = 0,
 ) -> torch.Tensor:  # [heads, head_dim]
-    """One sequence's decode attention in float32 SDPA, its keys gathered through its block table."""
+    """One sequence's decode attention in float32 SDPA over its positions [first, seq_len), its keys
+    gathered through its block table."""
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]  # [n]
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[first:seq_len]  # [n]
     keys = kv_cache[0].flatten(0, 1)[slots].float().transpose(0, 1)  # [kv_heads, n, head_dim]
     values = kv_cache[1].flatten(0, 1)[slots].float().transpose(0, 1)
     per_kv = query.shape[0] // kv_heads
@@ -663,6 +665,53 @@ def test_one_large_group_gives_each_sequence_its_own_result(dtype: torch.dtype, 
         assert torch.equal(call([s], threads=1), together[s : s + 1]), f"sequence {s} differs when grouped"
         expected = expected_decode(query[s], kv_cache, tables[s], lens[s], head_dim**-0.5)
         torch.testing.assert_close(together[s].float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_many_tasks_of_mixed_lengths_on_two_threads_each_get_their_own_result(window: int | None) -> None:
+    """Forty sequences (each a task on its own; one group of three over a shared prefix), lengths 0
+    to 300, on two threads that each take the next task before finishing the current one and
+    prefetch its first rows: every sequence's output is bitwise what it is alone on one thread,
+    matches the reference, and an empty sequence (block table entries past its length invalid)
+    gets zeros."""
+    rng = random.Random(11)
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
+    pool = list(range(1200))
+    rng.shuffle(pool)
+    prefix = [pool.pop() for _ in range(5)]
+    lens = [rng.choice([0, 1, 15, 64, 65, 130, 300]) for _ in range(37)] + [120, 121, 150]
+    rows = []
+    for i, length in enumerate(lens):
+        blocks = [-1] * 19
+        owned = prefix if i >= 37 else []
+        for b in range((length + block_size - 1) // block_size):
+            blocks[b] = owned[b] if b < len(owned) else pool.pop()
+        rows.append(blocks)
+    tables = torch.tensor(rows)  # [40, 19]
+    generator = torch.Generator().manual_seed(12)
+    kv_cache = torch.randn(2, 1200, block_size, kv_heads, head_dim, generator=generator).bfloat16()
+    query = torch.randn(len(lens), heads, head_dim, generator=generator).bfloat16()
+    seq_lens = torch.tensor(lens)
+
+    def call(selected: list[int], threads: int) -> torch.Tensor:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return cpu_kernels.paged_attention_decode(
+                query[selected], kv_cache[0], kv_cache[1], tables[selected], seq_lens[selected], 0.125, window
+            )  # [len(selected), heads, head_dim]
+        finally:
+            torch.set_num_threads(previous)
+
+    together = call(list(range(len(lens))), threads=2)
+    for s, length in enumerate(lens):
+        assert torch.equal(call([s], threads=1), together[s : s + 1]), f"sequence {s} differs in the batch"
+        if length == 0:
+            assert not together[s].any()
+            continue
+        first = max(0, length - window) if window else 0
+        expected = expected_decode(query[s], kv_cache, tables[s], length, 0.125, first)  # [heads, head_dim]
+        torch.testing.assert_close(together[s].float(), expected, atol=ATOL[torch.bfloat16], rtol=0)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])

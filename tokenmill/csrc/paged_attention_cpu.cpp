@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -118,6 +119,8 @@ struct Scratch {
   float scores[kHeadTile][kChunkTokens];  // scores, then probabilities, of the current chunk
   const void* k_rows[2][kChunkTokens];    // KV head 0's K row of each position of a chunk
   const void* v_rows[2][kChunkTokens];
+  const void* upcoming_k_rows[kChunkTokens];  // the first chunk of the task this thread does next
+  const void* upcoming_v_rows[kChunkTokens];
   const c10::BFloat16* q_bf16 = nullptr;  // the sequence's queries, when they are bfloat16
   // Which sequence's state q/acc/row_max/row_sum hold: a shared-prefix group keeps one state per
   // member, member m's heads at [m * num_heads, (m + 1) * num_heads).
@@ -145,29 +148,49 @@ void find_rows(const Problem<scalar_t>& p, const int64_t* table, int64_t pos, in
   }
 }
 
-// The positions attended in one online-softmax step, and those of the next step to prefetch.
+// Rows to ask for ahead of their use: KV head 0's K and V row of each position, and the byte range
+// of a row wanted (from the row's start).
+struct Rows {
+  const void* const* k_rows = nullptr;  // [n]
+  const void* const* v_rows = nullptr;  // [n]
+  int64_t n = 0;
+  int64_t k_from = 0, v_from = 0, bytes = 0;
+};
+
+// The positions attended in one online-softmax step, and the rows to prefetch while it is computed:
+// the next chunk's, or at a task's end the next task's first chunk.
 struct Chunk {
   const void* const* k_rows;  // [n], KV head 0
   const void* const* v_rows;  // [n]
   int64_t n;
-  const void* const* next_k_rows;  // [next_n]
-  const void* const* next_v_rows;
-  int64_t next_n;
-  int64_t k_prefetch_from, v_prefetch_from, prefetch_bytes;  // the byte range of a row this item reads
+  Rows next;
 };
 
-// Asks for row i of the next chunk while row i of this one is computed. Blocks are scattered through
-// the pool, so the hardware prefetcher cannot guess them; spreading the requests over the compute
-// (rather than issuing a burst) keeps the core busy while they are served. Into L2, which can track
-// more outstanding misses than L1.
-inline void prefetch_next(const Chunk& c, int64_t i) {
-  if (i >= c.next_n) return;
-  const char* k = static_cast<const char*>(c.next_k_rows[i]) + c.k_prefetch_from;
-  const char* v = static_cast<const char*>(c.next_v_rows[i]) + c.v_prefetch_from;
-  for (int64_t b = 0; b < c.prefetch_bytes; b += 64) {
-    prefetch_l2(k + b);
-    prefetch_l2(v + b);
+inline void prefetch_rows(const void* const* rows, int64_t from, int64_t bytes, int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r) {
+    const char* row = static_cast<const char*>(rows[r]) + from;
+    for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(row + b);
   }
+}
+
+// Called at each position i of a chunk of n (1 <= n), from the loop over the chunk's keys (or its
+// values): asks for the keys (values) of the next rows in proportion, so the requests are spread
+// evenly over the compute of the chunk instead of issued in a burst. A burst fills the core's queue of
+// outstanding misses, after which prefetches are dropped or stall it; blocks are scattered through
+// the pool, so the hardware prefetcher cannot guess them. Keys are asked for while keys are scored
+// and values while values are summed, so both streams stay in flight the whole time. Into L2, which
+// tracks more outstanding misses than L1.
+inline void prefetch_next_keys(const Chunk& c, int64_t i) {
+  if (c.next.n == 0) return;
+  prefetch_rows(c.next.k_rows, c.next.k_from, c.next.bytes, i * c.next.n / c.n, (i + 1) * c.next.n / c.n);
+}
+inline void prefetch_next_values(const Chunk& c, int64_t i) {
+  if (c.next.n == 0) return;
+  prefetch_rows(c.next.v_rows, c.next.v_from, c.next.bytes, i * c.next.n / c.n, (i + 1) * c.next.n / c.n);
+}
+inline void prefetch_next(const Chunk& c, int64_t i) {
+  prefetch_next_keys(c, i);
+  prefetch_next_values(c, i);
 }
 
 // Scaled scores of a 16-token group from its partial dot products (one 16-lane row per token).
@@ -201,7 +224,7 @@ void score_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t
         for (int j = 0; j < kSpan; ++j)
           if (c0 + j < chunks) q[g][j] = load(&s.q[(s.base + h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes);
       for (int i = 0; i < m; ++i) {
-        if (prefetch && c0 == 0) prefetch_next(c, tg + i);
+        if (prefetch && c0 == 0) prefetch_next_keys(c, tg + i);
         const scalar_t* k = static_cast<const scalar_t*>(c.k_rows[tg + i]) + k_off + c0 * kLanes;
         Vec dot[NG];
         for (int g = 0; g < NG; ++g) dot[g] = zero();
@@ -242,7 +265,7 @@ void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, in
             q[g][j] = _mm512_maskz_loadu_epi16(mask32(lanes(c0 + j)),
                                                q_heads + g * p.q_stride_head + (c0 + j) * 32);
       for (int i = 0; i < m; ++i) {
-        if (prefetch && c0 == 0) prefetch_next(c, tg + i);
+        if (prefetch && c0 == 0) prefetch_next_keys(c, tg + i);
         const c10::BFloat16* k = static_cast<const c10::BFloat16*>(c.k_rows[tg + i]) + k_off + c0 * 32;
         Vec dot[NG];
         for (int g = 0; g < NG; ++g) dot[g] = zero();
@@ -400,6 +423,7 @@ void attend_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_
           acc[g][j] = mul(load(&s.acc[(s.base + h0 + g) * p.padded_dim + (c0 + j) * kLanes], kLanes),
                           splat(alpha[g]));
     for (int64_t t = 0; t < n; ++t) {
+      if (prefetch && c0 == 0) prefetch_next_values(c, t);
       const scalar_t* v = static_cast<const scalar_t*>(c.v_rows[t]) + v_off + c0 * kLanes;
       Vec prob[NG];
       for (int g = 0; g < NG; ++g) prob[g] = splat(s.scores[g][t]);
@@ -456,9 +480,12 @@ void init_state(const Problem<scalar_t>& p, Scratch& s, const Member& m, int64_t
 // with all their query heads. Chunks of kChunkTokens positions start at `begin`; chunk by chunk, each
 // member in turn reads the same rows, which the first member brought into cache. Every KV head of the
 // range reads its part of the same cache rows, so a range handled whole streams through whole rows.
+// `after`, when not null, is prefetched during the range's last chunk (the first rows of the thread's
+// next task).
 template <int kChunks, typename scalar_t>
 void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, int64_t begin, int64_t end,
-                  int64_t kv0, int64_t kv1, const Member* members, int64_t num_members) {
+                  int64_t kv0, int64_t kv1, const Member* members, int64_t num_members,
+                  const Rows* after = nullptr) {
   const int64_t group = p.num_heads / p.kv_heads;
   const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
   // The bytes of a row the range reads: KV heads [kv0, kv1) (the last one only head_dim long).
@@ -471,33 +498,33 @@ void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, 
     // Later chunks are prefetched while the one before them is computed; the first has nothing
     // before it, so ask for all of its rows at once: the misses then overlap instead of queueing
     // behind the dot products one row at a time.
-    const Chunk first_rows{nullptr, nullptr, 0, s.k_rows[cur], s.v_rows[cur], n,
-                           kv0 * p.k_stride_head * elem, kv0 * p.v_stride_head * elem, prefetch_bytes};
-    for (int64_t i = 0; i < n; ++i) prefetch_next(first_rows, i);
+    prefetch_rows(s.k_rows[cur], kv0 * p.k_stride_head * elem, prefetch_bytes, 0, n);
+    prefetch_rows(s.v_rows[cur], kv0 * p.v_stride_head * elem, prefetch_bytes, 0, n);
   }
   for (int64_t pos = begin; pos < end; pos += kChunkTokens) {
     const int64_t next = pos + kChunkTokens;
     const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, end - next));
     if (next_n > 0) find_rows(p, table, next, next_n, s.k_rows[1 - cur], s.v_rows[1 - cur]);
-    const Chunk chunk{s.k_rows[cur],
-                      s.v_rows[cur],
-                      std::min<int64_t>(kChunkTokens, end - pos),
-                      s.k_rows[1 - cur],
-                      s.v_rows[1 - cur],
-                      next_n,
-                      kv0 * p.k_stride_head * elem,
-                      kv0 * p.v_stride_head * elem,
-                      prefetch_bytes};
+    const Chunk chunk{s.k_rows[cur], s.v_rows[cur], std::min<int64_t>(kChunkTokens, end - pos),
+                      Rows{s.k_rows[1 - cur], s.v_rows[1 - cur], next_n, 0, 0, p.head_dim * elem}};
+    const bool last = next_n == 0 && after != nullptr && after->n > 0;
     for (int64_t m = 0; m < num_members; ++m) {
       s.base = members[m].base;
       // Read by the bfloat16 score paths (tiles and AVX512-BF16 vectors); a float32 query (over a
       // 16-bit cache) has none and takes the float32 path.
       if (p.query != nullptr)
         s.q_bf16 = reinterpret_cast<const c10::BFloat16*>(p.query + members[m].seq * p.q_stride_seq);
-      for (int64_t kv = kv0; kv < kv1; ++kv)
+      for (int64_t kv = kv0; kv < kv1; ++kv) {
+        // Each KV head asks for its own part of the next chunk's rows while it reads its part of
+        // these; the next task's rows (whatever KV heads it reads) are asked for by the first.
+        Chunk head_chunk = chunk;
+        head_chunk.next.k_from = kv * p.k_stride_head * elem;
+        head_chunk.next.v_from = kv * p.v_stride_head * elem;
+        if (last) head_chunk.next = kv == kv0 ? *after : Rows{};
         for (int64_t g0 = 0; g0 < group; g0 += kHeadTile)
-          attend_tile<kChunks>(p, s, chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),
-                               m == 0 && kv == kv0 && g0 == 0);
+          attend_tile<kChunks>(p, s, head_chunk, kv, kv * group + g0, std::min<int64_t>(kHeadTile, group - g0),
+                               m == 0 && g0 == 0);
+      }
     }
     cur = 1 - cur;
   }
@@ -526,9 +553,18 @@ struct Item {
   int64_t first, count, shared_len;
 };
 
+// The position an item's first range starts at: 0 for a group (its shared blocks), else where its
+// sequence's window starts.
+template <typename scalar_t>
+int64_t first_position(const Problem<scalar_t>& p, const Item& item, int64_t seq) {
+  if (item.shared_len > 0 || p.window <= 0) return 0;
+  return std::max<int64_t>(0, p.seq_lens[seq] - p.window);
+}
+
+// `after` (may be null): rows to prefetch during the item's last chunk.
 template <int kChunks, typename scalar_t>
 void attend_item(const Problem<scalar_t>& p, Scratch& s, const std::vector<int64_t>& order, const Item& item,
-                 int64_t kv0, int64_t kv1) {
+                 int64_t kv0, int64_t kv1, const Rows* after) {
   const int64_t group = p.num_heads / p.kv_heads;
   const int64_t h_begin = kv0 * group, h_end = kv1 * group;
   Member members[kMaxMembers];
@@ -542,9 +578,9 @@ void attend_item(const Problem<scalar_t>& p, Scratch& s, const std::vector<int64
   }
   for (int64_t m = 0; m < item.count; ++m) {
     const int64_t seq = members[m].seq, seq_len = p.seq_lens[seq];
-    const int64_t begin =
-        item.shared_len > 0 ? item.shared_len : (p.window > 0 ? std::max<int64_t>(0, seq_len - p.window) : 0);
-    attend_range<kChunks>(p, s, p.block_tables + seq * p.table_stride, begin, seq_len, kv0, kv1, &members[m], 1);
+    const int64_t begin = item.shared_len > 0 ? item.shared_len : first_position(p, item, seq);
+    attend_range<kChunks>(p, s, p.block_tables + seq * p.table_stride, begin, seq_len, kv0, kv1, &members[m], 1,
+                          m + 1 == item.count ? after : nullptr);
     finish_state(p, s, members[m], h_begin, h_end);
   }
 }
@@ -642,6 +678,8 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
   const int64_t tasks_per_item = p.kv_heads / kv_per_task;
   const int64_t num_tasks = num_items_whole * tasks_per_item;
   const int num_threads = shared ? static_cast<int>(std::min<int64_t>(threads, num_tasks)) : 1;
+  const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;
@@ -657,12 +695,31 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
     s.acc.resize(max_members * p.num_heads * p.padded_dim);
     s.row_max.resize(max_members * p.num_heads);
     s.row_sum.resize(max_members * p.num_heads);
-    // Dynamic: sequence lengths differ, so equal shares of tasks are not equal shares of work.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tasks; ++task) {
+    // Tasks are taken in order from a shared counter (sequence lengths differ, so equal shares of
+    // tasks are not equal shares of work), one ahead: a thread knows its next task while it works on
+    // the current one, and asks for that task's first rows during the current one's last chunk.
+    int64_t task = claimed.fetch_add(1);
+    while (task < num_tasks) {
+      const int64_t following = claimed.fetch_add(1);
+      Rows after;
+      if (following < num_tasks) {
+        const Item& next_item = items[following / tasks_per_item];
+        const int64_t next_kv0 = following % tasks_per_item * kv_per_task, seq = order[next_item.first];
+        const int64_t begin = first_position(p, next_item, seq);
+        const int64_t end = next_item.shared_len > 0 ? next_item.shared_len : p.seq_lens[seq];
+        after.n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, end - begin));
+        if (after.n > 0)
+          find_rows(p, p.block_tables + seq * p.table_stride, begin, after.n, s.upcoming_k_rows, s.upcoming_v_rows);
+        after.k_rows = s.upcoming_k_rows;
+        after.v_rows = s.upcoming_v_rows;
+        after.k_from = next_kv0 * p.k_stride_head * elem;
+        after.v_from = next_kv0 * p.v_stride_head * elem;
+        after.bytes = ((kv_per_task - 1) * p.k_stride_head + p.head_dim) * elem;
+      }
       const Item& item = items[task / tasks_per_item];
       const int64_t kv0 = task % tasks_per_item * kv_per_task;
-      attend_item<kChunks>(p, s, order, item, kv0, kv0 + kv_per_task);
+      attend_item<kChunks>(p, s, order, item, kv0, kv0 + kv_per_task, &after);
+      task = following;
     }
 #ifdef TOKENMILL_ATTENTION_AMX
     if (p.tiles) _tile_release();

@@ -160,6 +160,54 @@ def test_steps_with_prompt_chunks_over_the_prefill_kernel_run_fused_with_the_sam
     assert not calls
 
 
+def test_steps_above_the_int4_kernels_rows_run_on_the_wide_stack_with_the_same_results(
+    tiny_model,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bfloat16 int4 stack carries a wide one on the layers' oneDNN-packed weights (where every
+    layer has them: oneDNN with bfloat16 kernels on this CPU): steps with more rows than the int4
+    kernels take (decodes of 12 sequences, without AMX; prompt steps of hundreds of rows) run as one
+    call too, with the same tokens and logprobs as the modules, bitwise."""
+    llm = LLM(
+        tiny_model("wide-heads").path,
+        dtype="bfloat16",
+        quantization="int4",
+        num_blocks=128,
+        enable_prefix_caching=False,
+    )
+    model = llm.engine.executor.runner.model
+    stack = model.decode_stack
+    assert stack is not None and stack.max_rows == int4_max_rows()
+    packed = [
+        linear.packed_weight
+        for layer in model.layers
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    if any(p is None or p.panels for p in packed):
+        assert stack.wide is None
+        return
+    wide = stack.wide
+    assert wide is not None and wide.dtype == torch.bfloat16 and wide.wide is None
+    assert [len(layer.weights) for layer in wide.layers] == [6, 6]
+    assert all(weight.is_mkldnn for layer in wide.layers for weight in layer.weights[2:])
+    calls = _count_stack_rows(monkeypatch)
+    prompts = [[7 + (i * 13 + j) % 90 for j in range(20 + 4 * i)] for i in range(12)]
+    fused = _generate(llm, prompts)
+    assert max(calls) > stack.max_rows  # the first step holds every prompt: over 400 rows
+    if stack.max_rows < len(prompts):
+        assert calls.count(len(prompts)) >= 10  # the decode steps of all twelve, on the wide stack
+
+    calls.clear()
+    model.decode_stack = None  # the layer modules only
+    assert _generate(llm, prompts) == fused
+    assert not calls
+
+
 def test_layers_that_the_op_does_not_compute_keep_the_modules(tiny_model) -> None:  # type: ignore[no-untyped-def]
     # Without int4 projections (random bfloat16 weights, or int8) there is nothing to fuse.
     for path, kwargs in (
@@ -179,13 +227,13 @@ def test_the_op_names_a_wrong_weight_bias_or_cache_list() -> None:
             [hidden],
             [None] * 4,
             [cache],
-            r"weights must hold 14 or 16 \(int4\), 6 or 8 \(float32 panels\) tensors per layer \(1 layers\), got 1",
+            r"weights must hold 14 or 16 \(int4\), 6 or 8 \(float32 panels or oneDNN-packed\) tensors per layer \(1 layers\), got 1",
         ),
         (
             [hidden] * 28,
             [None] * 8,
             [cache],
-            r"weights must hold 14 or 16 \(int4\), 6 or 8 \(float32 panels\) tensors per layer \(1 layers\), got 28",
+            r"weights must hold 14 or 16 \(int4\), 6 or 8 \(float32 panels or oneDNN-packed\) tensors per layer \(1 layers\), got 28",
         ),
         ([hidden] * 28, [None] * 4, [cache] * 2, r"biases must hold 4 entries per layer \(2 layers\), got 4"),
         ([hidden] * 14, [None] * 4, [cache[0]], r"each kv cache must be \[2, blocks, block_size, heads, D\]"),
@@ -194,7 +242,7 @@ def test_the_op_names_a_wrong_weight_bias_or_cache_list() -> None:
             [hidden] * 6,
             [None] * 4,
             [cache],
-            "float32 panels go with float32 hidden states",
+            "bfloat16 hidden states with one tensor a projection take oneDNN-packed weights",
         ),
     ):
         with pytest.raises(RuntimeError, match=message):

@@ -12,7 +12,10 @@
 //   return linear(silu_and_mul(linear(x, gate_up)), down)
 // and after the last layer: x, residual = add_rms_norm(x, residual) with the final norm's weight.
 // `linear` is int4_linear for int4 weights (bfloat16 activations, or float32 ones: the weights' float32
-// values) and f32_panel_linear for float32 panels (float32 activations, on CPUs without AVX-512).
+// values), f32_panel_linear for float32 panels (float32 activations, on CPUs without AVX-512), and
+// oneDNN's packed GEMM (mkldnn::_linear_pointwise, as cpu_gemm.packed_linear calls it) for bfloat16
+// activations with oneDNN-packed bfloat16 weights: the "wide" stack of layers/fused_decode_stack.py,
+// for steps with more rows than the int4 kernels take, where the layer modules multiply the same way.
 //
 // Why: with int4 weights a single-sequence decode step of a small model spends about as long in
 // Python and the dispatcher (about 12 operator calls and a dozen module calls per layer) as in the
@@ -25,7 +28,8 @@
 //   hidden       [S, hidden] bfloat16 or float32, contiguous: the embeddings (overwritten)
 //   weights      per layer, in order: [input_norm, post_attention_norm, then the weights of qkv, o,
 //                gate_up, down] in hidden's dtype; for bfloat16 the projections' (packed, scales,
-//                mins), int4 in layers/int4.py's format (14 tensors; float32 hidden too), or for
+//                mins), int4 in layers/int4.py's format (14 tensors; float32 hidden too), or their
+//                oneDNN-packed weights (torch.ops.mkldnn._reorder_linear_weight; 6 tensors), or for
 //                float32 their panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp; 6 tensors); then, for layers with
 //                per-head q/k RMSNorms, their two weights [head_dim] (16 or 8 tensors): every layer the
 //                same count, 14, 16, 6 or 8
@@ -56,6 +60,7 @@
 //                stream ([0] before the first layer): pass them back with start_layer = l to go on
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
@@ -96,6 +101,17 @@ struct WeightLayout {
   }
   size_t first_head_norm() const { return 2 + per_projection * kNumProjections; }
 };
+
+// x [rows, in] bfloat16 times a oneDNN-packed bfloat16 weight (plus bias): the operator
+// cpu_gemm.packed_linear calls, through the dispatcher, so the bits are those of the layer modules.
+at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));  // [rows, out]
+}
 
 // Per-head RMSNorm of q or k [S, heads, D], as layers/norm.py's RMSNorm computes it for a 3-D input
 // (the unfused torch ops, so the same kernels and bits): weight * (x / rms(x)).to(x.dtype).
@@ -168,7 +184,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
   const at::Tensor &input_norm = weights[0], &post_norm = weights[1];
   // The projections' output widths, which panels (padded to 16) do not carry: the down projection's
   // panels [.., intermediate, 16] give the intermediate size.
-  const int64_t intermediate = layout.per_projection == 1 ? weights[2 + 3].size(1) : 0;
+  const int64_t intermediate = layout.per_projection == 1 && hidden.scalar_type() == at::kFloat ? weights[2 + 3].size(1) : 0;
   const int64_t out_features[kNumProjections] = {q_size + 2 * kv_size, hidden.size(1), 2 * intermediate,
                                                  hidden.size(1)};
   // Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of x, its bias added as the layer module adds it:
@@ -176,7 +192,9 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
   const auto linear = [&](const at::Tensor& x, size_t p) {
     const size_t first = 2 + layout.per_projection * p;
     const std::optional<at::Tensor> bias = biases.get(first_bias + p);
-    if (layout.per_projection == 1) return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
+    if (layout.per_projection == 1 && x.scalar_type() == at::kFloat)
+      return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
+    if (layout.per_projection == 1) return onednn_packed_linear(x, weights[first], bias);
     at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2],
                                       step.row_independent ? kRowKernel : kAutoKernel);
     return bias.has_value() ? at::add(out, *bias) : out;
@@ -230,9 +248,22 @@ std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden
   const std::optional<WeightLayout> layout = WeightLayout::of(per_layer);
   TORCH_CHECK(weights.size() % layers == 0 && layout.has_value(), "weights must hold ", kNumWeights, " or ",
               kNumWeights + kNumHeadNorms, " (int4), ", kNumPanelWeights, " or ", kNumPanelWeights + kNumHeadNorms,
-              " (float32 panels) tensors per layer (", layers, " layers), got ", weights.size());
-  TORCH_CHECK(layout->per_projection == 3 || hidden.scalar_type() == at::kFloat,
-              "float32 panels go with float32 hidden states (int4 weights with bfloat16 or float32 ones)");
+              " (float32 panels or oneDNN-packed) tensors per layer (", layers, " layers), got ", weights.size());
+  if (layout->per_projection == 1) {
+    // One tensor a projection: float32 panels under float32 hidden states, oneDNN-packed weights
+    // (opaque mkldnn tensors) under bfloat16 ones.
+    const bool packed = hidden.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(packed || hidden.scalar_type() == at::kFloat,
+                "one tensor a projection: float32 panels with float32 hidden states, or oneDNN-packed weights with "
+                "bfloat16 ones");
+    for (size_t layer = 0; layer < layers; ++layer)
+      for (size_t p = 0; p < kNumProjections; ++p) {
+        const at::Tensor& w = weights[per_layer * layer + 2 + p];
+        TORCH_CHECK(w.is_mkldnn() == packed,
+                    packed ? "bfloat16 hidden states with one tensor a projection take oneDNN-packed weights"
+                           : "float32 hidden states with one tensor a projection take float32 panels");
+      }
+  }
   TORCH_CHECK(biases.size() == kNumProjections * layers, "biases must hold ", kNumProjections,
               " entries per layer (", layers, " layers), got ", biases.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [S, hidden]");
@@ -313,3 +344,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }
+// The wide stack's weights are oneDNN-packed (mkldnn) tensors, which make the dispatcher pick this key.
+TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) { m.impl("llama_decode_stack", &tokenmill::llama_decode_stack); }

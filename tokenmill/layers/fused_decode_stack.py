@@ -7,7 +7,8 @@ layer modules. Which steps it takes is the attention backend's choice
 (``CpuPagedBackend.stack_attention``: the rows its kernels attend as decodes, prompt chunks through
 the prefill kernel or as decodes); the hook adds only what the op itself needs (every layer's
 projections on the int4 kernel, or float32 panels, and few enough rows for them; a float32 model's
-int4 layers take small steps on the int4 kernel and larger ones on their panels).
+int4 layers take small steps on the int4 kernel and larger ones on their panels, a bfloat16 model's
+larger ones on oneDNN's packed GEMM, as the modules do: the "wide" stack).
 The op gives the same bits as the layer modules, so taking it or not changes no output.
 
 A backend declares whether its stack attention is row-independent (``StackAttentionSource``): the
@@ -76,8 +77,9 @@ class LlamaLayerParts:
 @dataclass
 class FusedDecodeWeights:
     """One layer's tensors for ``fused_cpu.llama_decode_stack``: ``weights`` (both norms' weights, the
-    projections' weights of qkv, o, gate_up and down — int4 ``(packed, scales, mins)`` each in
-    bfloat16, float32 panels in float32 — then the q and k norms' weights if the layer has them),
+    projections' weights of qkv, o, gate_up and down — int4 ``(packed, scales, mins)`` each, float32
+    panels in float32, oneDNN-packed weights in bfloat16 — then the q and k norms' weights if the
+    layer has them),
     ``biases`` (those four projections' biases or None), ``max_rows``, the most rows its projections
     take, and ``dtype``, the activations' (bfloat16 or float32)."""
 
@@ -90,9 +92,10 @@ class FusedDecodeWeights:
     def of(cls, parts: LlamaLayerParts, int4: bool = True) -> FusedDecodeWeights | None:
         """The layer's tensors, or None unless it is exactly what the op computes: the CPU kernel
         attention, static rotary, no tensor parallelism, and either bfloat16 norms (q/k norms too, if
-        any) with all four projections on the int4 kernel, or float32 norms with all four on the int4
-        kernel (when ``int4``: a float32 model's exactly 4-bit layers) or on float32 panels
-        (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
+        any) with all four projections on the int4 kernel (when ``int4``) or on oneDNN-packed weights
+        (otherwise: what ``LinearBase._matmul`` multiplies a step with more rows than the int4 kernel
+        takes by), or float32 norms with all four on the int4 kernel (when ``int4``: a float32 model's
+        exactly 4-bit layers) or on float32 panels (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
         if not isinstance(parts.attention, StackAttentionSource):
             return None
         rotary = parts.rotary
@@ -111,11 +114,14 @@ class FusedDecodeWeights:
             if linear.tp_size != 1 or linear.weight.dtype != dtype:
                 return None
             int4_weight, packed = linear.int4_weight, linear.packed_weight
-            if int4_weight is not None and (dtype == torch.bfloat16 or int4):
+            if int4_weight is not None and int4:
                 fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
                 max_rows.append(int4_weight.max_rows if dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
             elif (
-                dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
+                linear.int8_weight is None
+                and packed is not None
+                # float32 panels; oneDNN-packed bfloat16 for the wide stack
+                and (packed.panels if dtype == torch.float32 else not int4 and not packed.panels)
             ):
                 fused.weights.append(packed.data)
                 max_rows.append(PANELS_MAX_ROWS)
@@ -145,7 +151,8 @@ class FusedDecodeStack:
     final_norm: torch.Tensor  # [hidden]
     shape: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
     eps: float
-    # float32 with int4 layers: the same layers on their float32 panels, for steps above max_rows.
+    # With int4 layers, for steps above max_rows: the same layers on their float32 panels (float32) or
+    # their oneDNN-packed weights (bfloat16).
     wide: FusedDecodeStack | None = None
 
     @classmethod
@@ -159,9 +166,11 @@ class FusedDecodeStack:
         """The stack of a model's layers (``parts`` in layer order; None for a layer that is not of
         this form), or None unless every layer fits the op and all are laid out alike (one dtype, the
         same number of weights each: the op reads one layout for all), in the final norm's dtype. A
-        float32 stack on int4 layers carries a ``wide`` one on their panels for larger steps."""
+        stack on int4 layers carries a ``wide`` one for larger steps, on their float32 panels or
+        oneDNN-packed bfloat16 weights (where every layer has them), so a step of any size runs as one
+        call: at 16 rows the layer modules spent ~6 of a ~29 ms SmolLM2 step in Python."""
         stack = cls._of(parts, final_norm, shape, eps, int4=True)
-        if stack is not None and stack.dtype == torch.float32 and stack.max_rows < PANELS_MAX_ROWS:
+        if stack is not None and stack.max_rows < PANELS_MAX_ROWS and not stack.row_independent:
             stack.wide = cls._of(parts, final_norm, shape, eps, int4=False)
         return stack
 

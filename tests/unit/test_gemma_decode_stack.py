@@ -14,7 +14,14 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.cpu_gemm import float32_panels_preferred
-from tokenmill.layers.gemma_decode_stack import KIND_BF16_ROWS, KIND_INT4, KIND_LEVELS, KIND_PANELS, KIND_Q8
+from tokenmill.layers.gemma_decode_stack import (
+    KIND_BF16_ROWS,
+    KIND_INT4,
+    KIND_LEVELS,
+    KIND_ONEDNN,
+    KIND_PANELS,
+    KIND_Q8,
+)
 from tokenmill.layers.int4 import int4_max_rows, int4_pairs_available
 from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.models.base import prepare_for_inference
@@ -122,7 +129,7 @@ def test_int4_decode_steps_run_fused_with_the_same_tokens_and_logprobs(
     calls = _count_stack_rows(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert max(calls) == len(PROMPTS)
+    assert calls.count(len(PROMPTS)) == 5  # (the prompts' step, 53 rows as decodes, on the wide stack)
     assert llm.engine.kv_manager.all_free_or_cached()
 
 
@@ -140,6 +147,49 @@ def test_gguf_like_layers_take_their_exact_kernels_in_the_stack(
     assert stack.kinds == [five, KIND_INT4, five, KIND_BF16_ROWS] * NUM_LAYERS
     assert stack.max_rows == (2 if int4_pairs_available() else 1)  # the row kernel's or the 8-bit one's
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
+
+
+def test_steps_above_every_small_kernel_run_on_the_wide_stack_with_the_same_results(
+    gguf_like_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GGUF-like mix carries a wide stack on the layers' oneDNN-packed weights (where oneDNN has
+    bfloat16 kernels here), taken from one row more than the widest small-step kernel's bound: a batch
+    of 12 decodes is one call a step, with the same tokens and logprobs as the modules, bitwise."""
+    llm = LLM(gguf_like_folder, dtype="bfloat16", num_blocks=128, block_size=4, enable_prefix_caching=False)
+    model = llm.engine.executor.runner.model
+    stack = model.decode_stack
+    if stack is None:  # no small-step kernel for the down projections here (see above): no stack at all
+        assert not row_kernel_available()
+        return
+    packed = [layer.mlp.down_proj.packed_weight for layer in model.layers]
+    if any(p is None or p.panels for p in packed):
+        assert stack.wide is None
+        return
+    wide = stack.wide
+    assert wide is not None and wide.kinds == [KIND_ONEDNN] * 4 * NUM_LAYERS and wide.wide is None
+    assert wide.min_rows == max(8 if int4_pairs_available() else 1, int4_max_rows()) + 1
+    prompts = [[10 + (7 * i + 5 * j) % 140 for j in range(3 + 2 * i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def generate() -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = []
+        for output in outputs:
+            completion = output.outputs[0]
+            assert completion.logprobs is not None
+            rows = [[(t, e.logprob) for t, e in sorted(row.items())] for row in completion.logprobs]
+            results.append((list(completion.token_ids), rows))
+        return results
+
+    calls = _count_stack_rows(monkeypatch)
+    fused = generate()
+    if wide.min_rows <= len(prompts):
+        assert calls.count(len(prompts)) >= 6  # the decode steps of all twelve
+    calls.clear()
+    model.decode_stack = None  # the layer modules only
+    assert generate() == fused
+    assert not calls
+    assert llm.engine.kv_manager.all_free_or_cached()
 
 
 @pytest.mark.skipif(not int4_pairs_available(), reason="the level-sums kernel needs AVX512-BF16")
@@ -172,7 +222,7 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     fused = [
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)
     ]
-    assert max(calls) == len(PROMPTS)
+    assert calls.count(len(PROMPTS)) >= 5  # the decode steps (the prompts' step: the wide stack)
     model.decode_stack = None
     assert [
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)

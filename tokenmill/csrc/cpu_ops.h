@@ -47,6 +47,9 @@ at::Tensor level_sums_linear(const at::Tensor& x, const at::Tensor& packed, cons
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);
 at::Tensor q8_linear_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+// x [rows, in] bfloat16 times a oneDNN-packed bfloat16 weight (torch.ops.mkldnn._reorder_linear_weight), plus
+// bias: the operator cpu_gemm.packed_linear calls (mkldnn::_linear_pointwise), through the dispatcher.
+at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                             int64_t out_features);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,

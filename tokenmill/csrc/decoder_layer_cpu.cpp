@@ -102,17 +102,6 @@ struct WeightLayout {
   size_t first_head_norm() const { return 2 + per_projection * kNumProjections; }
 };
 
-// x [rows, in] bfloat16 times a oneDNN-packed bfloat16 weight (plus bias): the operator
-// cpu_gemm.packed_linear calls, through the dispatcher, so the bits are those of the layer modules.
-at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));  // [rows, out]
-}
-
 // Per-head RMSNorm of q or k [S, heads, D], as layers/norm.py's RMSNorm computes it for a 3-D input
 // (the unfused torch ops, so the same kernels and bits): weight * (x / rms(x)).to(x.dtype).
 at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -194,7 +183,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
     const std::optional<at::Tensor> bias = biases.get(first_bias + p);
     if (layout.per_projection == 1 && x.scalar_type() == at::kFloat)
       return ops::f32_panel_linear(x, weights[first], bias, out_features[p]);
-    if (layout.per_projection == 1) return onednn_packed_linear(x, weights[first], bias);
+    if (layout.per_projection == 1) return ops::onednn_packed_linear(x, weights[first], bias);
     at::Tensor out = ops::int4_linear(x, weights[first], weights[first + 1], weights[first + 2],
                                       step.row_independent ? kRowKernel : kAutoKernel);
     return bias.has_value() ? at::add(out, *bias) : out;
@@ -332,6 +321,17 @@ std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden
 
 }  // namespace
 }  // namespace tokenmill
+
+namespace tokenmill::ops {
+at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));  // [rows, out]
+}
+}  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(

@@ -27,7 +27,8 @@
 //   kinds         [4 L]: per projection 0 int4 (packed, scales, mins: layers/int4.py), 1 exact 8-bit
 //                 groups (q, scales: layers/q8.py), 2 a bfloat16 weight [out, in] on the row kernel,
 //                 3 float32 panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp), 4 level sums (packed, scales,
-//                 mins, fifth bits or an empty tensor: layers/level_sums.py, level_sums_linear)
+//                 mins, fifth bits or an empty tensor: layers/level_sums.py, level_sums_linear), 5 a oneDNN-packed
+//                 bfloat16 weight (the wide stack's, for steps above every small-step kernel's rows)
 //   out_features  [4 L]: each projection's outputs
 //   biases        [4 L]: each projection's bias or None
 //   kv_caches     per layer [2, num_blocks, block_size, kv_heads, head_dim]
@@ -60,7 +61,7 @@ namespace {
 constexpr int64_t kAutoKernel = 0;  // int4_linear picks its kernel by the row count
 constexpr size_t kNumProjections = 4;
 constexpr size_t kNumScales = 6;
-enum Kind : int64_t { kInt4 = 0, kQ8 = 1, kBf16Rows = 2, kPanels = 3, kSums = 4 };
+enum Kind : int64_t { kInt4 = 0, kQ8 = 1, kBf16Rows = 2, kPanels = 3, kSums = 4, kOneDnn = 5 };
 
 int64_t tensors_of(int64_t kind) {
   switch (kind) {
@@ -72,10 +73,11 @@ int64_t tensors_of(int64_t kind) {
       return 2;
     case kBf16Rows:
     case kPanels:
+    case kOneDnn:
       return 1;
     default:
       TORCH_CHECK(false, "projection kind must be 0 (int4), 1 (8-bit groups), 2 (bfloat16 rows), 3 (float32 "
-                         "panels) or 4 (level sums), got ", kind);
+                         "panels), 4 (level sums) or 5 (oneDNN-packed), got ", kind);
   }
 }
 
@@ -102,6 +104,8 @@ struct Projection {
         out = ops::level_sums_linear(x, tensors[0], tensors[1], tensors[2],
                                      tensors[3].numel() > 0 ? std::optional<at::Tensor>(tensors[3]) : std::nullopt);
         break;
+      case kOneDnn:
+        return ops::onednn_packed_linear(x, tensors[0], bias);  // the bias inside, as the module
       default:
         return ops::f32_panel_linear(x, tensors[0], bias, out_features);  // the bias inside, as the module
     }
@@ -204,6 +208,10 @@ std::tuple<at::Tensor, int64_t> gemma_decode_stack(
                   "float32 panels go with float32 hidden states");
       TORCH_CHECK(kind != kBf16Rows || hidden.scalar_type() == at::kBFloat16,
                   "the bfloat16 row kernel goes with bfloat16 hidden states");
+      TORCH_CHECK((kind == kOneDnn) == all[next].is_mkldnn(),
+                  "oneDNN-packed weights (mkldnn tensors) are kind 5, and kind 5 takes them only");
+      TORCH_CHECK(kind != kOneDnn || hidden.scalar_type() == at::kBFloat16,
+                  "oneDNN-packed weights go with bfloat16 hidden states");
       *projections[p] = Projection{kind, all.slice(next, count), biases.get(index), out_features[index]};
       next += count;
     }
@@ -242,3 +250,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("gemma_decode_stack", &tokenmill::gemma_decode_stack); }
+// The wide stack's weights are oneDNN-packed (mkldnn) tensors, which make the dispatcher pick this key.
+TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) { m.impl("gemma_decode_stack", &tokenmill::gemma_decode_stack); }

@@ -12,6 +12,11 @@ the modules' attention would attend the same way) and the rows fit every project
 kernel (``max_rows``). Each projection's kernel is the one ``LinearBase._matmul`` takes for such a
 step, so the op gives the modules' bits: taking it or not changes no output.
 
+A bfloat16 stack carries a ``wide`` one on the layers' oneDNN-packed weights (``KIND_ONEDNN``) for
+steps with more rows than any projection's small-step kernel takes, where every module multiplies
+with oneDNN's packed GEMM; steps between the two bounds (some projections still on a small-step
+kernel) run the modules.
+
 Not taken: tensor parallelism (no collectives in the C++ loop), LoRA (``lora/manager.py`` drops the
 stack), the deterministic mode (a row-independent backend: ``with_backend`` gives None), steps with
 prompt chunks on the prefill kernel, and layers whose projections have no small-step kernel here
@@ -38,7 +43,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
 
 # The op's projection kinds (csrc/gemma_decoder_cpu.cpp).
-KIND_INT4, KIND_Q8, KIND_BF16_ROWS, KIND_PANELS, KIND_LEVELS = 0, 1, 2, 3, 4
+KIND_INT4, KIND_Q8, KIND_BF16_ROWS, KIND_PANELS, KIND_LEVELS, KIND_ONEDNN = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -67,12 +72,18 @@ class StackProjection:
     max_rows: int
 
     @classmethod
-    def of(cls, linear: LinearBase, dtype: torch.dtype) -> StackProjection | None:
-        """The kernel ``linear`` takes for small steps of ``dtype`` rows, or None when the op has none
-        of its kind (sharded, int8, row-tiled for the deterministic mode, oneDNN-packed float32)."""
+    def of(cls, linear: LinearBase, dtype: torch.dtype, wide: bool = False) -> StackProjection | None:
+        """The kernel ``linear`` takes for small steps of ``dtype`` rows (``wide``: for steps above
+        every small-step kernel's rows, its oneDNN-packed bfloat16 weight), or None when the op has
+        none of its kind (sharded, int8, row-tiled for the deterministic mode, oneDNN-packed float32)."""
         if linear.tp_size != 1 or linear.row_tile or linear.weight.dtype != dtype:
             return None
         bf16 = dtype == torch.bfloat16
+        if wide:
+            packed = linear.packed_weight
+            if not bf16 or linear.int8_weight is not None or packed is None or packed.panels:
+                return None
+            return cls(KIND_ONEDNN, [packed.data], linear.bias, linear.out_features, PANELS_MAX_ROWS)
         int4, q8, levels, packed = (
             linear.int4_weight,
             linear.q8_weight,
@@ -124,6 +135,13 @@ class GemmaDecodeStack:
     backend: StackAttentionSource
     max_rows: int
     dtype: torch.dtype
+    # The fewest rows it takes (the wide stack: one more than any small-step kernel of the layers).
+    min_rows: int = 1
+    # Kept while building: the most rows any of its projections' kernels takes.
+    widest_kernel_rows: int = 0
+    # bfloat16: the same layers on their oneDNN-packed weights, for steps above every small-step
+    # kernel's rows (None where a projection has no packed weight).
+    wide: GemmaDecodeStack | None = None
 
     @classmethod
     def build(
@@ -137,7 +155,25 @@ class GemmaDecodeStack:
         """The stack over ``parts`` (every layer, in order) for ``dtype`` activations, or None unless
         every layer fits the op: its norms' scales prepared (float32), static rotary, an attention
         backend the stack attends through (not row-independent) and every projection with a
-        small-step kernel."""
+        small-step kernel. A bfloat16 one carries its ``wide`` stack where every projection has a
+        oneDNN-packed weight."""
+        stack = cls._build(parts, final_norm, shape, eps, dtype, wide=False)
+        if stack is not None and dtype == torch.bfloat16:
+            stack.wide = cls._build(parts, final_norm, shape, eps, dtype, wide=True)
+            if stack.wide is not None:
+                stack.wide.min_rows = stack.widest_kernel_rows + 1
+        return stack
+
+    @classmethod
+    def _build(
+        cls,
+        parts: list[GemmaLayerParts],
+        final_norm: torch.Tensor | None,
+        shape: tuple[int, int, int],
+        eps: float,
+        dtype: torch.dtype,
+        wide: bool,
+    ) -> GemmaDecodeStack | None:
         if not parts or final_norm is None or dtype not in (torch.bfloat16, torch.float32):
             return None
         backend = parts[0].attention
@@ -145,11 +181,11 @@ class GemmaDecodeStack:
             return None
         stack = cls([], [], [], [], [], [], [], [], final_norm, shape, eps, backend, PANELS_MAX_ROWS, dtype)
         for index, layer in enumerate(parts):
-            if not stack._add(index, layer):
+            if not stack._add(index, layer, wide):
                 return None
         return stack
 
-    def _add(self, index: int, layer: GemmaLayerParts) -> bool:
+    def _add(self, index: int, layer: GemmaLayerParts, wide: bool) -> bool:
         rotary = layer.rotary
         if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
             return False
@@ -161,7 +197,7 @@ class GemmaDecodeStack:
         scales = [s for s in layer.norm_scales if s is not None and s.dtype == torch.float32]
         if len(scales) != 6:
             return False
-        projections = [StackProjection.of(linear, self.dtype) for linear in layer.projections]
+        projections = [StackProjection.of(linear, self.dtype, wide) for linear in layer.projections]
         if any(p is None for p in projections):
             return False
         self.weights += scales
@@ -172,6 +208,7 @@ class GemmaDecodeStack:
             self.out_features.append(projection.out_features)
             self.biases.append(projection.bias)
             self.max_rows = min(self.max_rows, projection.max_rows)
+            self.widest_kernel_rows = max(self.widest_kernel_rows, projection.max_rows)
         kind = next(
             (
                 k
@@ -198,7 +235,8 @@ class GemmaDecodeStack:
         mode runs Gemma's layer modules)."""
         if backend.stack_row_independent:
             return None
-        return dataclasses.replace(self, backend=backend)
+        wide = None if self.wide is None else self.wide.with_backend(backend)
+        return dataclasses.replace(self, backend=backend, wide=wide)
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | LayerProgress | None:
         """Every remaining layer and the final norm over ``hidden`` (``[num_tokens, hidden_size]``: the
@@ -206,8 +244,10 @@ class GemmaDecodeStack:
         or the ``LayerProgress`` where ``batch.control``'s flag stopped the call; None when the step
         does not take the op (then the model runs its layer modules)."""
         num_tokens = hidden.shape[0]
+        if num_tokens > self.max_rows and self.wide is not None and num_tokens >= self.wide.min_rows:
+            return self.wide.run(hidden, batch)
         if (
-            not 0 < num_tokens <= self.max_rows
+            not self.min_rows <= num_tokens <= self.max_rows
             or hidden.dtype != self.dtype
             or not fused_cpu.applies_to(hidden)
         ):

@@ -151,29 +151,13 @@ class GemmaDecodeStack:
         shape: tuple[int, int, int],
         eps: float,
         dtype: torch.dtype,
+        wide: bool = False,
     ) -> GemmaDecodeStack | None:
         """The stack over ``parts`` (every layer, in order) for ``dtype`` activations, or None unless
         every layer fits the op: its norms' scales prepared (float32), static rotary, an attention
         backend the stack attends through (not row-independent) and every projection with a
-        small-step kernel. A bfloat16 one carries its ``wide`` stack where every projection has a
-        oneDNN-packed weight."""
-        stack = cls._build(parts, final_norm, shape, eps, dtype, wide=False)
-        if stack is not None and dtype == torch.bfloat16:
-            stack.wide = cls._build(parts, final_norm, shape, eps, dtype, wide=True)
-            if stack.wide is not None:
-                stack.wide.min_rows = stack.widest_kernel_rows + 1
-        return stack
-
-    @classmethod
-    def _build(
-        cls,
-        parts: list[GemmaLayerParts],
-        final_norm: torch.Tensor | None,
-        shape: tuple[int, int, int],
-        eps: float,
-        dtype: torch.dtype,
-        wide: bool,
-    ) -> GemmaDecodeStack | None:
+        small-step kernel (``wide``: a oneDNN-packed bfloat16 weight). A bfloat16 stack of small-step
+        kernels carries its ``wide`` one where every projection has such a weight."""
         if not parts or final_norm is None or dtype not in (torch.bfloat16, torch.float32):
             return None
         backend = parts[0].attention
@@ -183,6 +167,10 @@ class GemmaDecodeStack:
         for index, layer in enumerate(parts):
             if not stack._add(index, layer, wide):
                 return None
+        if not wide and dtype == torch.bfloat16:
+            stack.wide = cls.build(parts, final_norm, shape, eps, dtype, wide=True)
+            if stack.wide is not None:
+                stack.wide.min_rows = stack.widest_kernel_rows + 1
         return stack
 
     def _add(self, index: int, layer: GemmaLayerParts, wide: bool) -> bool:

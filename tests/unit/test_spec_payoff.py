@@ -4,6 +4,8 @@ drafting, re-measuring one step in every ``explore_every``; prompt steps are not
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tokenmill.config import SpeculativeConfig
@@ -25,23 +27,33 @@ def measured(drafted_rate: float, plain_rate: float, num_seqs: int = 1, **kwargs
     return payoff
 
 
-def test_steps_alternate_until_both_sides_are_measured() -> None:
-    payoff = DraftPayoff(min_samples=2)
-    decisions = []
-    for _ in range(4):
-        draft = payoff.should_draft(3)
-        decisions.append(draft)
-        payoff.observe(3, 3, drafted=draft, seconds=0.01)
-    assert decisions == [True, False, True, False]
+def test_runs_alternate_until_both_sides_are_measured_and_mixed_steps_are_not() -> None:
+    """A step verifies what the step before it proposed: the first step of a run carries one side's
+    tokens and the other's cost, and is not measured; runs alternate until each side has
+    ``min_samples`` measured steps."""
+    payoff = DraftPayoff(min_samples=2, run_length=3)
+    decisions, verifying = [], True
+    for _ in range(7):
+        proposing = payoff.should_draft(3)
+        decisions.append(proposing)
+        # Verifying steps emit two tokens an entry in 10 ms; plain ones one; a step that proposes
+        # pays 20 ms more.
+        seconds = 0.010 + 0.020 * proposing
+        payoff.observe(3, 6 if verifying else 3, drafted=verifying, seconds=seconds, proposed=proposing)
+        verifying = proposing
+    assert decisions == [True] * 3 + [False] * 3 + [False]
+    # Measured: verifying and proposing 6 / 0.030 = 200 tokens/s, plain 3 / 0.010 = 300; the mixed
+    # steps (3 / 0.010 verifying without proposing: 600; 3 / 0.030 the other way) are not.
+    assert payoff.rates() == {2: (pytest.approx(200.0), pytest.approx(300.0))}
 
 
 def test_a_losing_side_is_taken_only_to_re_measure_it() -> None:
     payoff = measured(drafted_rate=50, plain_rate=100, explore_every=8)
     decisions = [payoff.should_draft(1) for _ in range(16)]
-    assert decisions == [i % 8 == 7 for i in range(16)]  # the 8th and 16th decisions explore
+    assert decisions == [i in (7, 8, 9, 15) for i in range(16)]  # runs of 3 from the 8th and 16th
     assert payoff.rates() == {1: (50.0, 100.0)}
     winning = measured(drafted_rate=150, plain_rate=100, explore_every=8)
-    assert [winning.should_draft(1) for _ in range(8)] == [True] * 7 + [False]
+    assert [winning.should_draft(1) for _ in range(11)] == [True] * 7 + [False] * 3 + [True]
 
 
 def test_classes_are_measured_apart_and_a_change_is_followed() -> None:
@@ -56,6 +68,8 @@ def test_classes_are_measured_apart_and_a_change_is_followed() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="explore_every >= 2"):
         DraftPayoff(explore_every=1)
+    with pytest.raises(ValueError, match="2 <= run_length < explore_every"):
+        DraftPayoff(run_length=1)
 
 
 def entry(prompt_len: int, start: int, drafts: list[int]) -> ScheduledRequest:
@@ -95,7 +109,8 @@ def test_the_scheduler_state_drafts_only_where_drafting_measured_faster() -> Non
         request.draft_token_ids = [4, 5, 6, 7] if state.propose_next else []
         state.begin_step(num_running=1)
         planned = state.num_drafts_to_plan(request)
-        state.observe_step(drafted_plan if planned else plain_plan, 0.030 if planned else 0.010)
+        plan = dataclasses.replace(drafted_plan if planned else plain_plan, propose_drafts=state.propose_next)
+        state.observe_step(plan, 0.030 if planned else 0.010)
         state.observe_step(prompt_plan, 1.0)
         return planned, state.propose_next
 

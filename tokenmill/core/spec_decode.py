@@ -175,15 +175,24 @@ class SpecDecodeState:
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """Feed a decode-only step's tokens per second to the drafting gate (``core/spec_payoff.py``):
-        one token per entry plus the drafts accepted since the last observed step. Steps with prompt
-        tokens are not observed."""
+        one token per entry plus the drafts accepted since the last observed step, on the side of the
+        step's mode (verifying the previous step's proposals or not; the gate drops a step whose
+        mode differs from whether it proposed). Steps with prompt tokens are not observed."""
         accepted, self._step_accepted = self._step_accepted, 0
         if self.config is None or not self.config.adaptive or not plan.scheduled:
             return
         if any(e.start_position < len(e.prompt_token_ids) or not e.sample for e in plan.scheduled):
             return
-        drafted = any(e.draft_token_ids for e in plan.scheduled)
-        self.payoff.observe(len(plan.scheduled), len(plan.scheduled) + accepted, drafted, seconds)
+        # The side is the step's mode, drafts or none found: a drafting step whose proposer found
+        # nothing (an n-gram miss) still costs what drafting costs and yields one token an entry.
+        verifying = not self._paused
+        self.payoff.observe(
+            len(plan.scheduled),
+            len(plan.scheduled) + accepted,
+            verifying,
+            seconds,
+            proposed=plan.propose_drafts,
+        )
 
     def _count(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self._step_accepted += num_accepted

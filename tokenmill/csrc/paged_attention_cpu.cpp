@@ -42,6 +42,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec16.h"
@@ -553,12 +554,20 @@ struct Item {
   int64_t first, count, shared_len;
 };
 
-// The position an item's first range starts at: 0 for a group (its shared blocks), else where its
-// sequence's window starts.
+// Where sequence `seq`'s attended positions start: 0, or where its window starts.
 template <typename scalar_t>
-int64_t first_position(const Problem<scalar_t>& p, const Item& item, int64_t seq) {
-  if (item.shared_len > 0 || p.window <= 0) return 0;
-  return std::max<int64_t>(0, p.seq_lens[seq] - p.window);
+int64_t window_start(const Problem<scalar_t>& p, int64_t seq) {
+  return p.window > 0 ? std::max<int64_t>(0, p.seq_lens[seq] - p.window) : 0;
+}
+
+// The first range an item attends, [begin, end) of its first member's block table: a group's shared
+// positions, else the sequence's own.
+template <typename scalar_t>
+std::pair<int64_t, int64_t> first_range(const Problem<scalar_t>& p, const std::vector<int64_t>& order,
+                                        const Item& item) {
+  const int64_t seq = order[item.first];
+  if (item.shared_len > 0) return {0, item.shared_len};
+  return {window_start(p, seq), p.seq_lens[seq]};
 }
 
 // `after` (may be null): rows to prefetch during the item's last chunk.
@@ -578,7 +587,7 @@ void attend_item(const Problem<scalar_t>& p, Scratch& s, const std::vector<int64
   }
   for (int64_t m = 0; m < item.count; ++m) {
     const int64_t seq = members[m].seq, seq_len = p.seq_lens[seq];
-    const int64_t begin = item.shared_len > 0 ? item.shared_len : first_position(p, item, seq);
+    const int64_t begin = item.shared_len > 0 ? item.shared_len : window_start(p, seq);
     attend_range<kChunks>(p, s, p.block_tables + seq * p.table_stride, begin, seq_len, kv0, kv1, &members[m], 1,
                           m + 1 == item.count ? after : nullptr);
     finish_state(p, s, members[m], h_begin, h_end);
@@ -705,8 +714,7 @@ void run(const Problem<scalar_t>& p, int64_t num_seqs) {
       if (following < num_tasks) {
         const Item& next_item = items[following / tasks_per_item];
         const int64_t next_kv0 = following % tasks_per_item * kv_per_task, seq = order[next_item.first];
-        const int64_t begin = first_position(p, next_item, seq);
-        const int64_t end = next_item.shared_len > 0 ? next_item.shared_len : p.seq_lens[seq];
+        const auto [begin, end] = first_range(p, order, next_item);
         after.n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, end - begin));
         if (after.n > 0)
           find_rows(p, p.block_tables + seq * p.table_stride, begin, after.n, s.upcoming_k_rows, s.upcoming_v_rows);

@@ -22,8 +22,8 @@ def measured(drafted_rate: float, plain_rate: float, num_seqs: int = 1, **kwargs
     """A gate with ``min_samples`` steps of each side at these tokens per second (``num_seqs`` class)."""
     payoff = DraftPayoff(**kwargs)
     for _ in range(payoff.min_samples):
-        payoff.observe(num_seqs, round(drafted_rate), drafted=True, seconds=1.0)
-        payoff.observe(num_seqs, round(plain_rate), drafted=False, seconds=1.0)
+        payoff.observe(num_seqs, round(drafted_rate), drafted=True, seconds=1.0, proposed=True)
+        payoff.observe(num_seqs, round(plain_rate), drafted=False, seconds=1.0, proposed=False)
     return payoff
 
 
@@ -61,7 +61,7 @@ def test_classes_are_measured_apart_and_a_change_is_followed() -> None:
     assert payoff.should_draft(1)  # the single-stream class has seen nothing: it explores
     assert not payoff.should_draft(20)  # 16..31 share a class
     for _ in range(10):  # drafting became worth it (say, copying began)
-        payoff.observe(17, 300, drafted=True, seconds=1.0)
+        payoff.observe(17, 300, drafted=True, seconds=1.0, proposed=True)
     assert payoff.should_draft(16)
 
 

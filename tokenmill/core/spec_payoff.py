@@ -59,7 +59,7 @@ class DraftPayoff:
 
     Contract: ``should_draft(num_seqs)`` once per planned step; ``observe`` once per executed
     decode-only step with the tokens it emitted (every entry's sampled token plus accepted drafts),
-    whether any entry verified drafts, its measured seconds, and whether it proposed drafts. Steps
+    whether it verified the step before's proposals, its measured seconds, and whether it proposed. Steps
     with prompt chunks are not observed (their time is mostly the prompt's).
     """
 
@@ -106,14 +106,12 @@ class DraftPayoff:
         batch.run_side, batch.run_left = side, self.run_length - 1
         return side
 
-    def observe(
-        self, num_seqs: int, num_emitted: int, drafted: bool, seconds: float, proposed: bool | None = None
-    ) -> None:
+    def observe(self, num_seqs: int, num_emitted: int, drafted: bool, seconds: float, proposed: bool) -> None:
         """Record a decode-only step over ``num_seqs`` sequences that emitted ``num_emitted`` tokens
-        in ``seconds`` (``drafted``: whether it verified any draft; ``proposed``: whether it ran the
-        drafter for the next step, None when proposing costs nothing apart). A step with one and not
-        the other is not recorded."""
-        if num_seqs <= 0 or seconds <= 0.0 or (proposed is not None and proposed != drafted):
+        in ``seconds`` (``drafted``: whether it verified the step before's proposals, drafts found or
+        not; ``proposed``: whether it ran the drafter for the next step). A step with one and not the
+        other is not recorded."""
+        if num_seqs <= 0 or seconds <= 0.0 or proposed != drafted:
             return
         batch = self._class(num_seqs)
         rate = batch.drafted if drafted else batch.plain

@@ -117,11 +117,11 @@ class FusedDecodeWeights:
             if int4_weight is not None and int4:
                 fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
                 max_rows.append(int4_weight.max_rows if dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
+            elif not int4 and dtype == torch.bfloat16 and (onednn := linear.onednn_packed_bf16()) is not None:
+                fused.weights.append(onednn)  # the wide stack
+                max_rows.append(PANELS_MAX_ROWS)
             elif (
-                linear.int8_weight is None
-                and packed is not None
-                # float32 panels; oneDNN-packed bfloat16 for the wide stack
-                and (packed.panels if dtype == torch.float32 else not int4 and not packed.panels)
+                dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
             ):
                 fused.weights.append(packed.data)
                 max_rows.append(PANELS_MAX_ROWS)

@@ -80,10 +80,10 @@ class StackProjection:
             return None
         bf16 = dtype == torch.bfloat16
         if wide:
-            packed = linear.packed_weight
-            if not bf16 or linear.int8_weight is not None or packed is None or packed.panels:
+            onednn = linear.onednn_packed_bf16()
+            if onednn is None:
                 return None
-            return cls(KIND_ONEDNN, [packed.data], linear.bias, linear.out_features, PANELS_MAX_ROWS)
+            return cls(KIND_ONEDNN, [onednn], linear.bias, linear.out_features, PANELS_MAX_ROWS)
         int4, q8, levels, packed = (
             linear.int4_weight,
             linear.q8_weight,
@@ -137,8 +137,6 @@ class GemmaDecodeStack:
     dtype: torch.dtype
     # The fewest rows it takes (the wide stack: one more than any small-step kernel of the layers).
     min_rows: int = 1
-    # Kept while building: the most rows any of its projections' kernels takes.
-    widest_kernel_rows: int = 0
     # bfloat16: the same layers on their oneDNN-packed weights, for steps above every small-step
     # kernel's rows (None where a projection has no packed weight).
     wide: GemmaDecodeStack | None = None
@@ -164,30 +162,35 @@ class GemmaDecodeStack:
         if not isinstance(backend, StackAttentionSource) or backend.stack_row_independent:
             return None
         stack = cls([], [], [], [], [], [], [], [], final_norm, shape, eps, backend, PANELS_MAX_ROWS, dtype)
+        widest = 0  # the most rows any projection's kernel takes
         for index, layer in enumerate(parts):
-            if not stack._add(index, layer, wide):
+            layer_widest = stack._add(index, layer, wide)
+            if layer_widest is None:
                 return None
+            widest = max(widest, layer_widest)
         if not wide and dtype == torch.bfloat16:
             stack.wide = cls.build(parts, final_norm, shape, eps, dtype, wide=True)
             if stack.wide is not None:
-                stack.wide.min_rows = stack.widest_kernel_rows + 1
+                stack.wide.min_rows = widest + 1
         return stack
 
-    def _add(self, index: int, layer: GemmaLayerParts, wide: bool) -> bool:
+    def _add(self, index: int, layer: GemmaLayerParts, wide: bool) -> int | None:
+        """Appends ``layer``'s tensors; the most rows its projections' kernels take, or None (nothing
+        appended) when it does not fit the op."""
         rotary = layer.rotary
         if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
-            return False
+            return None
         if (
             not isinstance(layer.attention, StackAttentionSource)
             or layer.attention.scale != self.backend.scale
         ):
-            return False
+            return None
         scales = [s for s in layer.norm_scales if s is not None and s.dtype == torch.float32]
         if len(scales) != 6:
-            return False
+            return None
         projections = [StackProjection.of(linear, self.dtype, wide) for linear in layer.projections]
         if any(p is None for p in projections):
-            return False
+            return None
         self.weights += scales
         for projection in projections:
             assert projection is not None
@@ -196,7 +199,6 @@ class GemmaDecodeStack:
             self.out_features.append(projection.out_features)
             self.biases.append(projection.bias)
             self.max_rows = min(self.max_rows, projection.max_rows)
-            self.widest_kernel_rows = max(self.widest_kernel_rows, projection.max_rows)
         kind = next(
             (
                 k
@@ -211,7 +213,7 @@ class GemmaDecodeStack:
             self.rotaries.append(rotary)
             self.first_layers.append(index)
         self.layer_kinds.append(kind)
-        return True
+        return max(p.max_rows for p in projections if p is not None)
 
     @property
     def row_independent(self) -> bool:

@@ -119,6 +119,22 @@ class LinearBase(nn.Module):
     def prepare_for_inference(self) -> None:
         self.packed_weight = pack_weight(self.weight.data) if packing_available(self.weight) else None
 
+    def onednn_packed_bf16(self) -> torch.Tensor | None:
+        """The oneDNN-packed bfloat16 weight that ``_matmul`` multiplies a bfloat16 step by once the
+        step has more rows than every small-step kernel of the layer takes (what the fused stacks'
+        wide variants call for such steps), or None when such steps go elsewhere (row tiles, int8
+        rows, float32 panels, no packing)."""
+        packed = self.packed_weight
+        if (
+            self.row_tile
+            or self.int8_weight is not None
+            or self.weight.dtype != torch.bfloat16
+            or packed is None
+            or packed.panels
+        ):
+            return None
+        return packed.data
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_tile:
             float_matmul = lambda rows: self._float_matmul(rows, bias)  # noqa: E731

@@ -17,7 +17,7 @@ from tokenmill.layers.int4 import (
     quantize_int4,
 )
 from tokenmill.layers.linear import RowParallelLinear
-from tokenmill.layers.q8 import Q8_FLOAT32_MAX_ROWS, Q8Weight, exact_q8_groups
+from tokenmill.layers.q8 import Q8_FLOAT32_MAX_ROWS, Q8_MAX_ROWS, Q8Weight, exact_q8_groups
 
 ROW_COUNTS = (1, 2, 3, 5, 8)
 
@@ -82,7 +82,8 @@ def test_q8_groups_of_a_float32_weight_and_the_kernel(shape: tuple[int, int]) ->
         # The same float32 products summed in another order (sums of ~1,500 terms of size ~1).
         assert torch.allclose(got, x_all[:rows] @ weight.T, rtol=1e-4, atol=1e-4 * shape[1] ** 0.5), rows
     assert not head.takes(x_all)  # more rows than the float32 bound: the float32 weight
-    assert not head.takes(x_all[:2].bfloat16())  # bfloat16: Q8_MAX_ROWS (1)
+    bf16_rows = x_all.bfloat16()  # bfloat16: up to Q8_MAX_ROWS
+    assert head.takes(bf16_rows[:Q8_MAX_ROWS]) and not head.takes(bf16_rows[: Q8_MAX_ROWS + 1])
     # A float32 weight off the grid has no exact groups.
     assert exact_q8_groups(weight + 1e-3) is None
 

@@ -1,5 +1,5 @@
 """Exact 8-bit groups (GGUF Q8_0's format, layers/q8.py): recovering them from a bfloat16 weight, the
-kernel against the product with the same weight, and the LM head that uses them for single rows."""
+kernel against the product with the same weight, and the LM head that uses them for small steps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.layers.q8 import Q8Weight, dequantize_q8_reference, exact_q8_groups, exact_q8_weight
+from tokenmill.layers.q8 import (
+    Q8_MAX_ROWS,
+    Q8Weight,
+    dequantize_q8_reference,
+    exact_q8_groups,
+    exact_q8_weight,
+)
 
 BF16 = torch.bfloat16
 
@@ -71,7 +77,7 @@ def test_kernel_rejects_bad_shapes() -> None:
         torch.ops.tokenmill.q8_linear(torch.zeros(1, 64, dtype=BF16), q, scales[:, :1])
 
 
-def test_the_lm_head_projects_single_rows_from_the_groups_and_larger_steps_from_its_weight() -> None:
+def test_the_lm_head_projects_small_steps_from_the_groups_and_larger_steps_from_its_weight() -> None:
     embedding = VocabEmbedding(300, 64, BF16)
     embedding.weight.data.copy_(q8_0_like(300, 64))
     table = embedding.weight.data.clone()
@@ -82,6 +88,9 @@ def test_the_lm_head_projects_single_rows_from_the_groups_and_larger_steps_from_
     assert head.q8_weight is not None
     one = torch.randn(1, 64, dtype=BF16)
     assert torch.equal(head(one), head.q8_weight.linear(one))
+    small = torch.randn(Q8_MAX_ROWS, 64, dtype=BF16)
+    assert torch.equal(head(small), head.q8_weight.linear(small))
+    assert torch.equal(head(small)[:1], head(small[:1]))  # a row's bits do not depend on the step's rows
     many = torch.randn(6, 64, dtype=BF16)
     expected = (many.float() @ table.float().T).to(BF16).float()
     assert torch.allclose(head(many).float(), expected, rtol=2**-7, atol=1e-5)

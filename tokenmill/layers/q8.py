@@ -23,9 +23,11 @@ from tokenmill.layers.cpu_kernels import load_error
 
 GROUP_SIZE = 32
 # Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values: on SmolLM2's LM
-# head (49152 x 576, 2 threads) 1.20 vs 1.48 ms at one row, even at two, 2.25 vs 1.50 ms at four.
-# Larger steps use the bfloat16 weight.
-Q8_MAX_ROWS = 1
+# head (49152 x 576, 2 threads, Zen 4 with AVX512-BF16, medians of 30 calls) 0.89 vs 1.39 ms at one
+# row, 1.04 vs 1.44 at two, 1.18 vs 1.47 at three, 1.31 vs 1.59 at four; from five rows oneDNN is
+# as fast or faster (1.5-1.6 vs 1.1-1.6 ms at five, 2.1 vs 1.9 at eight). Larger steps use the
+# bfloat16 weight. (Speculative steps verifying one to three drafts are such steps.)
+Q8_MAX_ROWS = 4
 # float32 rows: the same bound as int4's on float32 rows (layers/int4.py INT4_FLOAT32_MAX_ROWS, measured
 # on the projections and this head together).
 Q8_FLOAT32_MAX_ROWS = 3

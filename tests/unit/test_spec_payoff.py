@@ -122,3 +122,20 @@ def test_the_scheduler_state_drafts_only_where_drafting_measured_faster() -> Non
     request.draft_token_ids = [4, 5, 6, 7]
     fixed.begin_step(num_running=1)
     assert fixed.num_drafts_to_plan(request) == 4 and fixed.propose_next  # adaptive off: no gate
+
+
+def test_a_verifying_step_that_verifies_no_draft_is_measured_on_neither_side() -> None:
+    """An n-gram miss: the step was to verify drafts, but the proposer found none. It costs what a plain
+    step costs; counted on the drafted side, a stretch of text that is not copied would stop drafting
+    before the copying starts. Only steps that verify at least one draft measure the drafted side."""
+    state = SpecDecodeState(SpeculativeConfig(num_speculative_tokens=4), StepTimeModel())
+    missed = SchedulerOutput(scheduled=[entry(3, 5, [])], propose_drafts=True)
+    drafted = SchedulerOutput(scheduled=[entry(3, 4, [9, 9])], propose_drafts=True)
+    for _ in range(3):  # the first run of decisions verifies (both sides unmeasured: drafting first)
+        state.begin_step(num_running=1)
+        state.observe_step(missed, 0.010)
+    assert state.payoff.rates() == {} and state.payoff._class(1).drafted.count == 0
+    state.begin_step(num_running=1)
+    state.observe_step(drafted, 0.010)
+    assert state.payoff._class(1).drafted.count == 1
+    assert state.payoff._class(1).drafted.tokens_per_second == pytest.approx(100.0)

@@ -177,15 +177,20 @@ class SpecDecodeState:
         """Feed a decode-only step's tokens per second to the drafting gate (``core/spec_payoff.py``):
         one token per entry plus the drafts accepted since the last observed step, on the side of the
         step's mode (verifying the previous step's proposals or not; the gate drops a step whose
-        mode differs from whether it proposed). Steps with prompt tokens are not observed."""
+        mode differs from whether it proposed). Steps with prompt tokens, and verifying steps that
+        verify no draft, are not observed."""
         accepted, self._step_accepted = self._step_accepted, 0
         if self.config is None or not self.config.adaptive or not plan.scheduled:
             return
         if any(e.start_position < len(e.prompt_token_ids) or not e.sample for e in plan.scheduled):
             return
-        # The side is the step's mode, drafts or none found: a drafting step whose proposer found
-        # nothing (an n-gram miss) still costs what drafting costs and yields one token an entry.
+        # The side is the step's mode. A verifying step whose proposer found nothing at all (an
+        # n-gram miss, a confidence cut on every entry) is measured on neither side: it is a plain
+        # step plus what proposing costs, and on the drafted side its runs of misses (text that is
+        # not copied, before a copy starts) would stop drafting for the stretch where drafts pay.
         verifying = not self._paused
+        if verifying and not any(e.draft_token_ids for e in plan.scheduled):
+            return
         self.payoff.observe(
             len(plan.scheduled),
             len(plan.scheduled) + accepted,

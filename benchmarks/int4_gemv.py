@@ -3,7 +3,8 @@
 For SmolLM2-135M's shapes and 1..128 input rows, prints microseconds per call and the rate at which
 each kernel streams its own weight format (GB/s of packed int4 with its scales, of bfloat16, of int8
 with its row scales). int4 is measured up to three times: the row kernel (one dot product per row and group), on CPUs with
-AVX512-BF16 the level-sums kernel (two groups per vector; up to its 8 rows) and, where the CPU grants
+AVX512-BF16 the level-sums kernel (two groups per vector; up to its 8 rows), there without AMX the
+blocked kernel (16 outputs per vector over the weight's blocked copy; up to 8 rows) and, where the CPU grants
 AMX, the tile kernel (16 rows per tile product). Each shape is measured over enough DISTINCT weights that the int4 copies alone
 exceed ``--working-set-mb`` (a single weight reused in a loop stays in the caches and overstates the
 rate), cycling through them like a model's layers. The rows at which the tiles overtake the row kernel
@@ -28,6 +29,8 @@ from tokenmill.layers.int4 import (
     METHOD_PAIRS,
     METHOD_ROWS,
     METHOD_TILES,
+    block_int4_layout,
+    int4_blocked_available,
     int4_has_tiles,
     int4_linear,
     int4_pairs_available,
@@ -72,17 +75,21 @@ def main() -> None:
     print(f"{args.threads} threads; per call: microseconds, GB/s of the kernel's own weight format")
     tiles = int4_has_tiles()
     pairs = int4_pairs_available()
-    columns = ["int4 rows", *(["int4 sums"] if pairs else []), *(["int4 tiles"] if tiles else [])]
+    blocked = int4_blocked_available() and all(SHAPES[name][0] % 16 == 0 for name in args.shapes)
+    columns = ["int4 rows", *(["int4 sums"] if pairs else []), *(["int4 blocked"] if blocked else [])]
+    columns += ["int4 tiles"] if tiles else []
     columns += ["oneDNN bf16", "int8pack_mm"]
     print(f"{'shape':<20} {'rows':>4}  " + "  ".join(f"{c:>16}" for c in columns))
     for name in args.shapes:
         out_features, in_features = SHAPES[name]
         int4_bytes = out_features * in_features * (0.5 + 4 / 32)  # nibbles + f16 scale and min per 32
         copies = max(2, math.ceil(args.working_set_mb * 1e6 / int4_bytes))
-        int4_weights, bf16_packed, int8_weights = [], [], []
+        int4_weights, blocked_weights, bf16_packed, int8_weights = [], [], [], []
         for _ in range(copies):
             weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.05
             int4_weights.append(quantize_int4(weight))
+            if blocked:
+                blocked_weights.append(block_int4_layout(*int4_weights[-1]))
             bf16_packed.append(pack_weight(weight))
             scales = (weight.float().abs().amax(dim=1) / 127).to(torch.bfloat16)  # [out_features]
             qweight = torch.round(weight.float() / scales.float()[:, None]).to(torch.int8)  # [out, in]
@@ -91,6 +98,7 @@ def main() -> None:
             "int4 rows": int4_bytes,
             "int4 tiles": int4_bytes,
             "int4 sums": int4_bytes,
+            "int4 blocked": int4_bytes,
             "bf16": out_features * in_features * 2,
             "int8": out_features * (in_features + 2),
         }
@@ -99,6 +107,9 @@ def main() -> None:
             kernels: dict[str, list[Callable[[], torch.Tensor]]] = {
                 "int4 rows": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_ROWS) for q in int4_weights],
                 "int4 sums": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_PAIRS) for q in int4_weights],
+                "int4 blocked": [
+                    lambda q=q, x=x: torch.ops.tokenmill.int4_linear(x, *q) for q in blocked_weights
+                ],
                 "int4 tiles": [lambda q=q, x=x: int4_linear(x, *q, None, METHOD_TILES) for q in int4_weights],
                 "bf16": [lambda p=p, x=x: packed_linear(x, p, None) for p in bf16_packed],
                 "int8": [lambda w=w, x=x: torch._weight_int8pack_mm(x, *w) for w in int8_weights],
@@ -107,9 +118,11 @@ def main() -> None:
                 del kernels["int4 tiles"]
             if not pairs:
                 del kernels["int4 sums"]
+            if not blocked:
+                del kernels["int4 blocked"]
             cells = []
             for kind, calls in kernels.items():
-                if kind == "int4 sums" and rows > INT4_PAIRS_MAX_ROWS:
+                if kind in ("int4 sums", "int4 blocked") and rows > INT4_PAIRS_MAX_ROWS:
                     cells.append("-")
                     continue
                 seconds = time_per_call(calls, args.repeats)

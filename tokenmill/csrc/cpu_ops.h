@@ -33,6 +33,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 at::Tensor batch_invariant_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method);
+// int4_blocked_cpu.cpp: x [rows, in] bfloat16 (1..8 rows) times an int4 weight in the blocked layout
+// (layers/int4.py block_int4_layout); [rows, blocks * 16] bfloat16. Callers check int4_blocked_available().
+bool int4_blocked_available();
+at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const at::Tensor& mins);
 // The int4 level-sums kernel (int4_pairs_cpu.cpp): built with AVX512-BF16; 1 to int4_pairs_max_rows() bfloat16
 // rows whose format the caller checked.
 bool int4_pairs_available();

@@ -24,7 +24,7 @@
 //   weights       per layer: the six float32 norm scales (1 + w) [input, post_attention, pre_feedforward,
 //                 post_feedforward] [hidden] and [q_norm, k_norm] [head_dim], then each of its
 //                 projections qkv, o, gate_up, down as its kind says
-//   kinds         [4 L]: per projection 0 int4 (packed, scales, mins: layers/int4.py), 1 exact 8-bit
+//   kinds         [4 L]: per projection 0 int4 (packed, scales, mins: layers/int4.py, or its blocked copy), 1 exact 8-bit
 //                 groups (q, scales: layers/q8.py), 2 a bfloat16 weight [out, in] on the row kernel,
 //                 3 float32 panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp), 4 level sums (packed, scales,
 //                 mins, fifth bits or an empty tensor: layers/level_sums.py, level_sums_linear), 5 a oneDNN-packed

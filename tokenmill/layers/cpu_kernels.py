@@ -34,6 +34,7 @@ SOURCES = [
     CSRC / "gemma_ops_cpu.cpp",
     CSRC / "int4_gemm_cpu.cpp",
     CSRC / "int4_pairs_cpu.cpp",
+    CSRC / "int4_blocked_cpu.cpp",
     CSRC / "decoder_layer_cpu.cpp",
     CSRC / "gemma_decoder_cpu.cpp",
     CSRC / "q8_gemm_cpu.cpp",

@@ -23,7 +23,7 @@ changes no bits.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -89,13 +89,18 @@ class FusedDecodeWeights:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, parts: LlamaLayerParts, int4: bool = True) -> FusedDecodeWeights | None:
+    def of(
+        cls, parts: LlamaLayerParts, int4: bool = True, blocked: bool = False
+    ) -> FusedDecodeWeights | None:
         """The layer's tensors, or None unless it is exactly what the op computes: the CPU kernel
         attention, static rotary, no tensor parallelism, and either bfloat16 norms (q/k norms too, if
         any) with all four projections on the int4 kernel (when ``int4``) or on oneDNN-packed weights
         (otherwise: what ``LinearBase._matmul`` multiplies a step with more rows than the int4 kernel
         takes by), or float32 norms with all four on the int4 kernel (when ``int4``: a float32 model's
-        exactly 4-bit layers) or on float32 panels (``layers/cpu_gemm.py``, CPUs without AVX-512)."""
+        exactly 4-bit layers) or on float32 panels (``layers/cpu_gemm.py``, CPUs without AVX-512).
+        With ``blocked``, bfloat16 int4 projections pass their blocked copy where they have one
+        (``Int4Weight.blocked``: what the modules multiply small steps with; not for the row kernel of
+        a row-independent backend)."""
         if not isinstance(parts.attention, StackAttentionSource):
             return None
         rotary = parts.rotary
@@ -115,7 +120,8 @@ class FusedDecodeWeights:
                 return None
             int4_weight, packed = linear.int4_weight, linear.packed_weight
             if int4_weight is not None and int4:
-                fused.weights += [int4_weight.packed, int4_weight.scales, int4_weight.mins]
+                layout = int4_weight.blocked() if blocked and dtype == torch.bfloat16 else None
+                fused.weights += list(layout or (int4_weight.packed, int4_weight.scales, int4_weight.mins))
                 max_rows.append(int4_weight.max_rows if dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
             elif not int4 and dtype == torch.bfloat16 and (onednn := linear.onednn_packed_bf16()) is not None:
                 fused.weights.append(onednn)  # the wide stack
@@ -154,6 +160,9 @@ class FusedDecodeStack:
     # With int4 layers, for steps above max_rows: the same layers on their float32 panels (float32) or
     # their oneDNN-packed weights (bfloat16).
     wide: FusedDecodeStack | None = None
+    # The layers it was built from (int4 stacks): ``with_backend`` builds their tensors anew, since a
+    # row-independent backend's row kernel takes the int4 weights' row layout, not the blocked copy.
+    parts: list[LlamaLayerParts | None] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(
@@ -182,8 +191,14 @@ class FusedDecodeStack:
         shape: tuple[int, int, int],
         eps: float,
         int4: bool,
+        backend: StackAttentionSource | None = None,
     ) -> FusedDecodeStack | None:
-        per_layer = [None if p is None else FusedDecodeWeights.of(p, int4) for p in parts]
+        first = parts[0] if parts else None
+        if first is None or not isinstance(first.attention, StackAttentionSource):
+            return None  # (FusedDecodeWeights.of refuses such a layer too)
+        backend = first.attention if backend is None else backend
+        blocked = int4 and not backend.stack_row_independent
+        per_layer = [None if p is None else FusedDecodeWeights.of(p, int4, blocked) for p in parts]
         layers = [layer for layer in per_layer if layer is not None]
         if not layers or len(layers) != len(per_layer):
             return None
@@ -192,8 +207,6 @@ class FusedDecodeStack:
             or final_norm.dtype != layers[0].dtype
         ):
             return None
-        first = parts[0]
-        assert first is not None and isinstance(first.attention, StackAttentionSource)
         assert isinstance(first.rotary, RotaryEmbedding)
         stack = cls(
             layers=layers,
@@ -201,11 +214,12 @@ class FusedDecodeStack:
             biases=[bias for layer in layers for bias in layer.biases],
             max_rows=min(layer.max_rows for layer in layers),
             dtype=layers[0].dtype,
-            backend=first.attention,
+            backend=backend,
             rotary=first.rotary,
             final_norm=final_norm,
             shape=shape,
             eps=eps,
+            parts=parts if int4 else [],
         )
         return stack.fitted()
 
@@ -226,7 +240,9 @@ class FusedDecodeStack:
         return dataclasses.replace(self, wide=None)
 
     def with_backend(self, backend: StackAttentionSource) -> FusedDecodeStack | None:
-        """This stack attending through ``backend`` (``fitted`` to it)."""
+        """This stack attending through ``backend`` (``fitted`` to it), without a wide one."""
+        if self.parts:
+            return FusedDecodeStack._of(self.parts, self.final_norm, self.shape, self.eps, True, backend)
         return dataclasses.replace(self, backend=backend, wide=None).fitted()
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | LayerProgress | None:

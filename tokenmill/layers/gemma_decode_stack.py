@@ -91,7 +91,10 @@ class StackProjection:
             linear.packed_weight,
         )
         if int4 is not None:
-            tensors, kind = [int4.packed, int4.scales, int4.mins], KIND_INT4
+            # bfloat16 small steps: the blocked copy where the weight has one, as the module multiplies
+            # (the Gemma stack has no row-independent form, whose row kernel needs the row layout).
+            layout = int4.blocked() if bf16 else None
+            tensors, kind = list(layout or (int4.packed, int4.scales, int4.mins)), KIND_INT4
             max_rows = int4.max_rows if bf16 else INT4_FLOAT32_MAX_ROWS
         elif linear.int8_weight is not None:
             return None

@@ -1,0 +1,111 @@
+"""The blocked int4 kernel (``csrc/int4_blocked_cpu.cpp``) over its copy of an int4 weight
+(``layers/int4.py`` ``block_int4_layout``): the layout holds the same levels and constants, the
+kernel computes with the exact values ``d * q + m``, a row's bits do not depend on the step's rows,
+and ``Int4Weight`` sends bfloat16 steps of 1 to 8 rows to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers.int4 import (
+    BLOCK_OUTPUTS,
+    INT4_PAIRS_MAX_ROWS,
+    METHOD_ROWS,
+    Int4Weight,
+    block_int4_layout,
+    dequantize_int4_float32,
+    int4_blocked_available,
+    int4_linear,
+    quantize_int4,
+)
+
+BF16 = torch.bfloat16
+needs_kernel = pytest.mark.skipif(
+    not int4_blocked_available(), reason="the blocked kernel needs AVX512-BF16 and no AMX tiles"
+)
+
+
+def levels_of(packed: torch.Tensor) -> torch.Tensor:
+    """The row layout's levels ``[out, in]`` in feature order."""
+    grouped = packed.reshape(packed.shape[0], -1, 16)  # [out, G, 16]
+    return torch.cat([grouped & 0x0F, grouped >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+def test_the_blocked_layout_holds_each_level_where_the_kernel_reads_it() -> None:
+    out_features, in_features = 48, 96
+    packed, scales, mins = quantize_int4(torch.randn(out_features, in_features))
+    blocked, block_scales, block_mins = block_int4_layout(packed, scales, mins)
+    groups = in_features // 32
+    assert blocked.shape == (out_features // BLOCK_OUTPUTS, groups, 256) and blocked.dtype == torch.uint8
+    assert block_scales.shape == block_mins.shape == (out_features // BLOCK_OUTPUTS, groups, BLOCK_OUTPUTS)
+    levels = levels_of(packed)
+    for o, feature in [(0, 0), (17, 5), (47, 95), (30, 34), (5, 66)]:
+        b, lane = divmod(o, BLOCK_OUTPUTS)
+        g, within = divmod(feature, 32)
+        t, e = divmod(within, 4)  # step t: features 4t .. 4t + 3
+        byte = int(blocked[b, g, t * 32 + 2 * lane + e % 2])
+        assert (byte >> 4 if e >= 2 else byte & 0x0F) == int(levels[o, feature])
+        assert block_scales[b, g, lane] == scales[o, g] and block_mins[b, g, lane] == mins[o, g]
+    with pytest.raises(ValueError, match="needs out_features a multiple of 16, got 40"):
+        block_int4_layout(*quantize_int4(torch.randn(40, 64)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (16, 32), (48, 96), (576, 1536), (64, 544)])
+def test_the_blocked_kernel_computes_with_the_exact_weight_values(shape: tuple[int, int]) -> None:
+    """d * sum(x q) + m * sum(x) per group, float32 sums, one bfloat16 rounding; every row count from 1
+    to 8 (its passes of 4, 2 and 1 blocks, and their single-block tails) gives each row the bits it
+    has alone."""
+    out_features, in_features = shape
+    packed, scales, mins = quantize_int4(torch.randn(shape) / in_features**0.5 + 0.01)
+    weight = Int4Weight(packed, scales, mins)
+    blocked = weight.blocked()
+    assert blocked is not None
+    exact_weight = dequantize_int4_float32(packed, scales, mins).double()  # [out, in]
+    x_all = torch.randn(INT4_PAIRS_MAX_ROWS, in_features, dtype=BF16)
+    alone = [torch.ops.tokenmill.int4_linear(x_all[r : r + 1], *blocked) for r in range(INT4_PAIRS_MAX_ROWS)]
+    for rows in range(1, INT4_PAIRS_MAX_ROWS + 1):
+        x = x_all[:rows]
+        got = torch.ops.tokenmill.int4_linear(x, *blocked)  # [rows, out]
+        assert got.dtype == BF16 and got.shape == (rows, out_features)
+        assert torch.equal(weight.linear(x, None), got)  # the module's choice
+        for r in range(rows):
+            assert torch.equal(got[r : r + 1], alone[r]), (rows, r)
+        exact = x.double() @ exact_weight.T
+        magnitude = x.double().abs() @ exact_weight.abs().T
+        error = (got.double() - exact).abs()
+        assert bool((error <= 2**-8 * exact.abs() + 2**-16 * magnitude).all()), rows
+
+
+@needs_kernel
+def test_int4_weights_use_the_blocked_copy_for_small_bfloat16_steps_only() -> None:
+    packed, scales, mins = quantize_int4(torch.randn(32, 64))
+    weight = Int4Weight(packed, scales, mins)
+    blocked = weight.blocked()
+    assert blocked is not None and weight.blocked() is blocked  # made once
+    assert weight.triple(INT4_PAIRS_MAX_ROWS, BF16) is blocked
+    assert weight.triple(INT4_PAIRS_MAX_ROWS + 1, BF16) == (packed, scales, mins)
+    assert weight.triple(1, torch.float32) == (packed, scales, mins)
+    x = torch.randn(INT4_PAIRS_MAX_ROWS + 1, 64, dtype=BF16)
+    # Above 8 rows: the row layout's kernels, whose values are rounded to bfloat16 first.
+    assert torch.equal(weight.linear(x, None), int4_linear(x, packed, scales, mins, None))
+    uneven = Int4Weight(*quantize_int4(torch.randn(40, 64)))
+    assert uneven.blocked() is None and uneven.triple(1, BF16)[0] is uneven.packed
+
+
+@needs_kernel
+def test_the_blocked_kernel_refuses_what_it_does_not_take() -> None:
+    packed, scales, mins = quantize_int4(torch.randn(32, 64))
+    blocked = block_int4_layout(packed, scales, mins)
+    x = torch.randn(INT4_PAIRS_MAX_ROWS + 1, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="takes 1 to 8 rows, got 9"):
+        torch.ops.tokenmill.int4_linear(x, *blocked)
+    with pytest.raises(RuntimeError, match="runs on the blocked kernel only"):
+        torch.ops.tokenmill.int4_linear(x[:1], *blocked, METHOD_ROWS)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        torch.ops.tokenmill.int4_linear(x[:1, :32], *blocked)
+    with pytest.raises(RuntimeError, match="takes a bfloat16 CPU tensor"):
+        torch.ops.tokenmill.int4_linear(x[:1].float(), *blocked)
+    with pytest.raises(RuntimeError, match="scales and mins must be contiguous float16"):
+        torch.ops.tokenmill.int4_linear(x[:1], blocked[0], blocked[1].float(), blocked[2])

@@ -1,0 +1,210 @@
+// The int4 linear layer for steps of 1 to 8 bfloat16 rows on CPUs with AVX512-BF16 (no AMX tiles): the
+// "blocked" kernel, over a copy of layers/int4.py's weight laid out for it (layers/int4.py
+// block_int4_layout).
+//
+// Blocked layout: outputs in blocks of 16 (out_features a multiple of 16); per block and group of 32
+// input features, 8 steps of 32 bytes, step t covering features 4t..4t+3 of the group: byte j holds
+// output 16b + j/2's level of feature 4t + j%2 in its low nibble and of feature 4t + 2 + j%2 in its high
+// nibble. packed [blocks, groups, 256] uint8; scales and mins [blocks, groups, 16] float16 (the same
+// values as the row layout's, output o of the block in lane o).
+//
+// What it computes: per output o and row x, sum over groups g of d_g * sum_j(x_j * q_j) + m_g * sum_j(x_j),
+// the exact weight values d*q + m (real arithmetic) with float32 accumulation, as the level-sums kernel
+// (int4_pairs_cpu.cpp) does, with another summation order. Each row's bits do not depend on the other
+// rows of the step or their number (one kernel for 1..8 rows), so a speculative step verifying drafts
+// computes the bits of decoding one token at a time.
+//
+// Why: the level-sums kernel keeps an output's sums across the lanes of a vector. Per pair of groups and
+// row it spends a multiply-add on the groups' scales besides its two dot products, reloads the row's
+// activations for every output, and ends every output with a horizontal sum per row: its time grows
+// about as fast as the rows (SmolLM2's gate_up, 2-core Zen 4: 43 us at one row, 91 at five, 134 at
+// eight). Here a vector holds 16 outputs: per step and row, two bfloat16 dot products whose activation
+// operand is one broadcast pair of features, nothing per output; the scales meet the sums once per group.
+// The levels become bfloat16 operands as in the level-sums kernel (q | 0x4300 is 128 + q, exact), and
+// the minimums' term takes the 128 * sum(x) back.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_ops.h"
+#include "group_gemm.h"
+#include "vec16.h"
+
+namespace tokenmill {
+namespace {
+
+using namespace group_gemm;  // kGroup, kPrefetchBytes, TOKENMILL_GROUP_AVX512
+
+constexpr int64_t kBlockOutputs = 16;
+constexpr int64_t kStepBytes = 32;                     // 4 features x 16 outputs, two levels a byte
+constexpr int64_t kStepsPerGroup = kGroup / 4;         // 8
+constexpr int64_t kBlockGroupBytes = kStepsPerGroup * kStepBytes;  // 256
+constexpr int64_t kMaxBlockedRows = 8;
+
+#ifdef TOKENMILL_GROUP_AVX512
+
+// The float32 sum of each group's 32 activations, per row: sums[r * groups + g].
+void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t groups, float* sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const c10::BFloat16* src = x + r * x_stride + g * kGroup;
+      sums[r * groups + g] = vec::reduce_add(vec::add(vec::load(src, 16), vec::load(src + 16, 16)));
+    }
+  }
+}
+
+// out[r, 16 b .. 16 b + 16 NB) for ROWS rows and the NB blocks from `block`. Per block and row one
+// vector of group sums (one chain of 16 dot products per group) and one accumulator.
+template <int ROWS, int NB>
+void blocked_pass(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
+                  const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out, int64_t out_stride,
+                  int64_t block) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512i bias_128 = _mm512_set1_epi16(0x4300);
+  const __m512 minus_128 = _mm512_set1_ps(-128.0f);
+  const int64_t block_bytes = groups * kBlockGroupBytes;
+  __m512 acc[ROWS][NB];
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 sum[ROWS][NB];
+    for (int r = 0; r < ROWS; ++r)
+      for (int n = 0; n < NB; ++n) sum[r][n] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kStepsPerGroup; ++t) {
+      __m512bh low[NB], high[NB];
+      for (int n = 0; n < NB; ++n) {
+        const uint8_t* bytes = packed + (block + n) * block_bytes + g * kBlockGroupBytes + t * kStepBytes;
+        if ((t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+        low[n] = (__m512bh)_mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);  // (w & 0x0F) | 0x4300
+        high[n] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
+      }
+      const int64_t feature = g * kGroup + 4 * t;
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t pair_low, pair_high;  // features (4t, 4t + 1) and (4t + 2, 4t + 3) of row r
+        std::memcpy(&pair_low, x + r * x_stride + feature, sizeof(pair_low));
+        std::memcpy(&pair_high, x + r * x_stride + feature + 2, sizeof(pair_high));
+        const __m512bh x_low = (__m512bh)_mm512_set1_epi32(pair_low);
+        const __m512bh x_high = (__m512bh)_mm512_set1_epi32(pair_high);
+        for (int n = 0; n < NB; ++n) {
+          sum[r][n] = _mm512_dpbf16_ps(sum[r][n], low[n], x_low);
+          sum[r][n] = _mm512_dpbf16_ps(sum[r][n], high[n], x_high);
+        }
+      }
+    }
+    for (int n = 0; n < NB; ++n) {
+      const int64_t at = ((block + n) * groups + g) * kBlockOutputs;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+      const __m512 m = _mm512_fmadd_ps(minus_128, d,
+                                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + at))));
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][n] = _mm512_fmadd_ps(sum[r][n], d, acc[r][n]);
+        acc[r][n] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int n = 0; n < NB; ++n) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + (block + n) * kBlockOutputs),
+                          (__m256i)_mm512_cvtneps_pbh(acc[r][n]));
+    }
+  }
+}
+
+// Blocks [begin, end) for ROWS rows: NB blocks a pass (more independent chains where rows are few),
+// then single blocks.
+template <int ROWS>
+void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
+                  const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out, int64_t out_stride,
+                  int64_t begin, int64_t end) {
+  constexpr int NB = ROWS == 1 ? 4 : ROWS <= 4 ? 2 : 1;
+  int64_t block = begin;
+  for (; block + NB <= end; block += NB)
+    blocked_pass<ROWS, NB>(x, x_stride, sums, groups, packed, scales, mins, out, out_stride, block);
+  for (; block < end; ++block)
+    blocked_pass<ROWS, 1>(x, x_stride, sums, groups, packed, scales, mins, out, out_stride, block);
+}
+
+template <int ROWS>
+void blocked_dispatch(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
+                      const uint8_t* packed, const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out,
+                      int64_t out_stride, int64_t begin, int64_t end) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) {
+      blocked_dispatch<ROWS - 1>(rows, x, x_stride, sums, groups, packed, scales, mins, out, out_stride, begin, end);
+      return;
+    }
+  }
+  blocked_rows<ROWS>(x, x_stride, sums, groups, packed, scales, mins, out, out_stride, begin, end);
+}
+
+#endif  // TOKENMILL_GROUP_AVX512
+
+void check_blocked_format(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.size(2) == kBlockGroupBytes && packed.is_contiguous(),
+              "int4 blocked layout: packed must be contiguous uint8 [blocks, groups, ", kBlockGroupBytes, "]");
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == packed.size(0) && t->size(1) == packed.size(1) && t->size(2) == kBlockOutputs,
+                "int4 blocked layout: scales and mins must be contiguous float16 [", packed.size(0), ", ",
+                packed.size(1), ", ", kBlockOutputs, "]");
+  }
+}
+
+}  // namespace
+}  // namespace tokenmill
+
+namespace tokenmill::ops {
+
+bool int4_blocked_available() {
+#ifdef TOKENMILL_GROUP_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [rows, in] bfloat16 (1..8 rows, contiguous features) times the weight in the blocked layout; [rows,
+// blocks * 16] bfloat16.
+at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const at::Tensor& mins) {
+  check_blocked_format(packed, scales, mins);
+  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "the int4 blocked kernel takes a bfloat16 CPU tensor x [rows, in] with contiguous features");
+  const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxBlockedRows, "the int4 blocked kernel takes 1 to ", kMaxBlockedRows,
+              " rows, got ", rows);
+  TORCH_CHECK(x.size(1) == groups * kGroup, "x has ", x.size(1), " features, the weight ", groups * kGroup);
+  const int64_t out_features = blocks * kBlockOutputs;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+#ifdef TOKENMILL_GROUP_AVX512
+  at::Tensor sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  group_sums(xp, x.stride(0), rows, groups, sums.data_ptr<float>());
+  const float* sp = sums.data_ptr<float>();
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const auto* dp = scales.data_ptr<c10::Half>();
+  const auto* mp = mins.data_ptr<c10::Half>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    blocked_dispatch<kMaxBlockedRows>(rows, xp, x_stride, sp, groups, wp, dp, mp, op, out_features, begin, end);
+  });
+#endif
+  return out;
+}
+
+}  // namespace tokenmill::ops
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("int4_blocked_available() -> bool", &tokenmill::ops::int4_blocked_available);
+}

@@ -16,7 +16,7 @@ the level-sums kernel (``csrc/int4_pairs_cpu.cpp``: per group ``d * sum(x q) + m
 per vector), which computes with the exact values ``d * q + m``; where the CPU has no AMX tiles, a
 weight whose outputs are a multiple of 16 takes those steps on the blocked kernel instead
 (``csrc/int4_blocked_cpu.cpp``: the same values over a copy laid out for it, :func:`block_int4_layout`,
-16 outputs a vector; 1.5-2x the level sums' speed from four rows); the row kernel (one bfloat16 dot
+16 outputs a vector; on SmolLM2's shapes 1.2-1.4x the level sums' speed at one row, 1.5-1.6x at five); the row kernel (one bfloat16 dot
 product per row and group; method 1, the deterministic mode's) and on CPUs with AMX the tile kernel
 (each decoded 16 x 32 weight tile multiplied with 16 rows per tile product, from ``kTilesFromRows``
 rows) compute with ``round_bf16(d * q + m)`` (exact in float32 before the rounding), the bfloat16

@@ -1,7 +1,8 @@
 """The blocked int4 kernel (``csrc/int4_blocked_cpu.cpp``) over its copy of an int4 weight
 (``layers/int4.py`` ``block_int4_layout``): the layout holds the same levels and constants, the
 kernel computes with the exact values ``d * q + m``, a row's bits do not depend on the step's rows,
-and ``Int4Weight`` sends bfloat16 steps of 1 to 8 rows to it."""
+and ``Int4Weight`` sends bfloat16 steps of 1 to 8 rows to it; ``LevelWeight`` (GGUF Q4_K / Q5_0
+groups) too."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tokenmill.layers.int4 import (
     int4_linear,
     quantize_int4,
 )
+from tokenmill.layers.level_sums import LevelWeight, pack_levels
 
 BF16 = torch.bfloat16
 needs_kernel = pytest.mark.skipif(
@@ -109,3 +111,49 @@ def test_the_blocked_kernel_refuses_what_it_does_not_take() -> None:
         torch.ops.tokenmill.int4_linear(x[:1].float(), *blocked)
     with pytest.raises(RuntimeError, match="scales and mins must be contiguous float16"):
         torch.ops.tokenmill.int4_linear(x[:1], blocked[0], blocked[1].float(), blocked[2])
+
+
+def level_weight(out_features: int, in_features: int, five: bool, seed: int) -> LevelWeight:
+    """Random levels (0..15, or 0..31 with fifth bits) with float32 scales and minimums (Q4_K's kind)
+    or, for 5-bit levels, float16 ones (Q5_0's)."""
+    generator = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 32 if five else 16, (out_features, in_features), generator=generator).to(
+        torch.uint8
+    )
+    groups = in_features // 32
+    scales = torch.rand(out_features, groups, generator=generator) * 1e-2 + 1e-3
+    mins = -torch.rand(out_features, groups, generator=generator) * 5e-2
+    high = None
+    if five:
+        bits = (levels >> 4).reshape(out_features, groups, 32).long() << torch.arange(32)  # [out, G, 32]
+        words = bits.sum(-1)
+        high = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        scales, mins = scales.half(), mins.half()
+    return LevelWeight(pack_levels(levels), scales, mins, high)
+
+
+@needs_kernel
+@pytest.mark.parametrize("five", [False, True])
+def test_gguf_level_groups_take_the_blocked_kernel_with_their_exact_values(five: bool) -> None:
+    """layers/level_sums.py's groups (float32 scales, or 5-bit levels with their fifth bits laid out by
+    ``block_fifth_bits``) on the blocked kernel: the exact values, each row's bits its own, close to the
+    level-sums kernel on the row layout."""
+    weight = level_weight(48, 96, five, seed=7)
+    packed, scales, mins, high = weight.kernel_tensors()
+    assert packed.dim() == 3 and (high is not None) == five
+    exact_weight = weight.dequantize().double()  # [out, in]
+    x_all = torch.randn(INT4_PAIRS_MAX_ROWS, 96, dtype=BF16)
+    for rows in range(1, INT4_PAIRS_MAX_ROWS + 1):
+        x = x_all[:rows]
+        got = weight.linear(x)
+        for r in range(rows):
+            assert torch.equal(got[r : r + 1], weight.linear(x_all[r : r + 1])), (rows, r)
+        exact = x.double() @ exact_weight.T
+        magnitude = x.double().abs() @ exact_weight.abs().T
+        assert bool(((got.double() - exact).abs() <= 2**-8 * exact.abs() + 2**-16 * magnitude).all()), rows
+        pairs = torch.ops.tokenmill.level_sums_linear(
+            x, weight.packed, weight.scales, weight.mins, weight.high
+        )
+        assert torch.allclose(got.float(), pairs.float(), rtol=2**-7, atol=1e-3)
+    uneven = level_weight(40, 64, five, seed=8)
+    assert uneven.kernel_tensors()[0] is uneven.packed  # 40 outputs: the row layout

@@ -6,7 +6,9 @@
 // input features, 8 steps of 32 bytes, step t covering features 4t..4t+3 of the group: byte j holds
 // output 16b + j/2's level of feature 4t + j%2 in its low nibble and of feature 4t + 2 + j%2 in its high
 // nibble. packed [blocks, groups, 256] uint8; scales and mins [blocks, groups, 16] float16 (the same
-// values as the row layout's, output o of the block in lane o).
+// values as the row layout's, output o of the block in lane o). The same kernel serves layers/level_sums.py's
+// groups (level_sums_linear): float32 scales and minimums, and for 5-bit levels `high` [blocks, groups,
+// 16] int32, per step two masks (bit j: the fifth bit of the level byte j's low, then high, nibble holds).
 //
 // What it computes: per output o and row x, sum over groups g of d_g * sum_j(x_j * q_j) + m_g * sum_j(x_j),
 // the exact weight values d*q + m (real arithmetic) with float32 accumulation, as the level-sums kernel
@@ -33,6 +35,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #include "cpu_ops.h"
 #include "group_gemm.h"
@@ -65,10 +69,16 @@ void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t 
 // sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass, for more
 // independent chains, measured slower at every row count: 37-43 vs 35 us on SmolLM2's gate_up at one
 // and two rows; one stream each thread prefetches well.)
-template <int ROWS>
+inline __m512 load_block_constants(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_block_constants(const float* p) { return _mm512_loadu_ps(p); }
+
+template <int ROWS, typename Scale, bool FIVE>
 void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
-                  const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out, int64_t out_stride,
-                  int64_t begin, int64_t end) {
+                  const Scale* scales, const Scale* mins, const uint32_t* high, c10::BFloat16* out,
+                  int64_t out_stride, int64_t begin, int64_t end) {
+  const __m512i fifth_bit = _mm512_set1_epi16(16);
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const __m512i bias_128 = _mm512_set1_epi16(0x4300);
   const __m512 minus_128 = _mm512_set1_ps(-128.0f);
@@ -83,8 +93,15 @@ void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, i
         const uint8_t* bytes = block_bytes + g * kBlockGroupBytes + t * kStepBytes;
         if ((t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
         const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-        const __m512bh low = (__m512bh)_mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);  // (w & 0x0F) | 0x4300
-        const __m512bh high = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
+        __m512i low_words = _mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);  // (w & 0x0F) | 0x4300
+        __m512i high_words = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
+        if constexpr (FIVE) {  // levels 16..31: 128 + q stays exact
+          const uint32_t* bits = high + (block * groups + g) * kBlockOutputs + 2 * t;
+          low_words = _mm512_mask_add_epi16(low_words, __mmask32(bits[0]), low_words, fifth_bit);
+          high_words = _mm512_mask_add_epi16(high_words, __mmask32(bits[1]), high_words, fifth_bit);
+        }
+        const __m512bh low = (__m512bh)low_words;
+        const __m512bh high = (__m512bh)high_words;
         const int64_t feature = g * kGroup + 4 * t;
         for (int r = 0; r < ROWS; ++r) {
           int32_t pair_low, pair_high;  // features (4t, 4t + 1) and (4t + 2, 4t + 3) of row r
@@ -95,9 +112,8 @@ void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, i
         }
       }
       const int64_t at = (block * groups + g) * kBlockOutputs;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-      const __m512 m = _mm512_fmadd_ps(minus_128, d,
-                                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + at))));
+      const __m512 d = load_block_constants(scales + at);
+      const __m512 m = _mm512_fmadd_ps(minus_128, d, load_block_constants(mins + at));
       for (int r = 0; r < ROWS; ++r) {
         acc[r] = _mm512_fmadd_ps(sum[r], d, acc[r]);
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
@@ -110,31 +126,39 @@ void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, i
   }
 }
 
-template <int ROWS>
+template <int ROWS, typename Scale, bool FIVE>
 void blocked_dispatch(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
-                      const uint8_t* packed, const c10::Half* scales, const c10::Half* mins, c10::BFloat16* out,
-                      int64_t out_stride, int64_t begin, int64_t end) {
+                      const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
+                      c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
-      blocked_dispatch<ROWS - 1>(rows, x, x_stride, sums, groups, packed, scales, mins, out, out_stride, begin, end);
+      blocked_dispatch<ROWS - 1, Scale, FIVE>(rows, x, x_stride, sums, groups, packed, scales, mins, high, out,
+                                              out_stride, begin, end);
       return;
     }
   }
-  blocked_rows<ROWS>(x, x_stride, sums, groups, packed, scales, mins, out, out_stride, begin, end);
+  blocked_rows<ROWS, Scale, FIVE>(x, x_stride, sums, groups, packed, scales, mins, high, out, out_stride, begin, end);
 }
 
 #endif  // TOKENMILL_GROUP_AVX512
 
-void check_blocked_format(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+void check_blocked_format(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                          const std::optional<at::Tensor>& high) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.size(2) == kBlockGroupBytes && packed.is_contiguous(),
               "int4 blocked layout: packed must be contiguous uint8 [blocks, groups, ", kBlockGroupBytes, "]");
   for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kHalf || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == packed.size(0) && t->size(1) == packed.size(1) && t->size(2) == kBlockOutputs,
-                "int4 blocked layout: scales and mins must be contiguous float16 [", packed.size(0), ", ",
-                packed.size(1), ", ", kBlockOutputs, "]");
+                "int4 blocked layout: scales and mins must be contiguous float16 (or both float32) [", packed.size(0),
+                ", ", packed.size(1), ", ", kBlockOutputs, "]");
   }
+  TORCH_CHECK(!high.has_value() || (high->device().is_cpu() && high->scalar_type() == at::kInt &&
+                                     high->is_contiguous() && high->dim() == 3 && high->size(0) == packed.size(0) &&
+                                     high->size(1) == packed.size(1) && high->size(2) == kBlockOutputs),
+              "int4 blocked layout: high must be contiguous int32 [", packed.size(0), ", ", packed.size(1), ", ",
+              kBlockOutputs, "]");
 }
 
 }  // namespace
@@ -153,8 +177,8 @@ bool int4_blocked_available() {
 // x [rows, in] bfloat16 (1..8 rows, contiguous features) times the weight in the blocked layout; [rows,
 // blocks * 16] bfloat16.
 at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                               const at::Tensor& mins) {
-  check_blocked_format(packed, scales, mins);
+                               const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  check_blocked_format(packed, scales, mins, high);
   TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "the int4 blocked kernel takes a bfloat16 CPU tensor x [rows, in] with contiguous features");
@@ -170,13 +194,24 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
   group_sums(xp, x.stride(0), rows, groups, sums.data_ptr<float>());
   const float* sp = sums.data_ptr<float>();
   const auto* wp = packed.data_ptr<uint8_t>();
-  const auto* dp = scales.data_ptr<c10::Half>();
-  const auto* mp = mins.data_ptr<c10::Half>();
+  const auto* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    blocked_dispatch<kMaxBlockedRows>(rows, xp, x_stride, sp, groups, wp, dp, mp, op, out_features, begin, end);
-  });
+  const auto run = [&](const auto* dp, const auto* mp) {
+    using Scale = std::remove_const_t<std::remove_pointer_t<decltype(dp)>>;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      if (hp != nullptr)
+        blocked_dispatch<kMaxBlockedRows, Scale, true>(rows, xp, x_stride, sp, groups, wp, dp, mp, hp, op,
+                                                       out_features, begin, end);
+      else
+        blocked_dispatch<kMaxBlockedRows, Scale, false>(rows, xp, x_stride, sp, groups, wp, dp, mp, nullptr, op,
+                                                        out_features, begin, end);
+    });
+  };
+  if (scales.scalar_type() == at::kFloat)
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  else
+    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
 #endif
   return out;
 }

@@ -407,7 +407,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (packed.dim() == 3) {  // the blocked layout (int4_blocked_cpu.cpp): its kernel only, 1 to 8 bfloat16 rows
     TORCH_CHECK(method == kAuto, "an int4 weight in the blocked layout runs on the blocked kernel only (method 0), got ",
                 method);
-    return ops::int4_linear_blocked(x, packed, scales, mins);
+    return ops::int4_linear_blocked(x, packed, scales, mins, std::nullopt);
   }
   check_format(packed, scales, mins);
   TORCH_CHECK(method >= kAuto && method <= kPairs, "method must be 0 (auto), 1 (rows), 2 (tiles) or 3 (level sums), got ",

@@ -101,9 +101,14 @@ class StackProjection:
         elif q8 is not None:
             tensors, kind, max_rows = [q8.q, q8.scales], KIND_Q8, q8.max_rows if bf16 else Q8_FLOAT32_MAX_ROWS
         elif levels is not None and bf16:
-            high = levels.high if levels.high is not None else levels.packed.new_empty(0)  # empty: 4 bits
+            packed_levels, level_scales, level_mins, fifth = (
+                levels.kernel_tensors()
+            )  # as the module multiplies
+            high = (
+                fifth if fifth is not None else packed_levels.new_empty(0, dtype=torch.int32)
+            )  # empty: 4 bits
             tensors, kind, max_rows = (
-                [levels.packed, levels.scales, levels.mins, high],
+                [packed_levels, level_scales, level_mins, high],
                 KIND_LEVELS,
                 levels.max_rows,
             )

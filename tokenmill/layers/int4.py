@@ -125,14 +125,15 @@ BLOCK_OUTPUTS = 16  # csrc/int4_blocked_cpu.cpp kBlockOutputs
 
 def block_int4_layout(
     packed: torch.Tensor,  # [out_features, in_features / 2] uint8
-    scales: torch.Tensor,  # [out_features, in_features / 32] float16
-    mins: torch.Tensor,  # [out_features, in_features / 32] float16
+    scales: torch.Tensor,  # [out_features, in_features / 32] float16 (float32: layers/level_sums.py)
+    mins: torch.Tensor,  # [out_features, in_features / 32] the scales' dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same weight in the blocked kernel's layout (``csrc/int4_blocked_cpu.cpp``): ``packed``
     ``[out / 16, G, 256]`` uint8, where per block of 16 outputs and group, step ``t`` (features
     ``4t .. 4t + 3``) is 32 bytes, byte ``j`` holding output ``j // 2``'s level of feature ``4t + j % 2``
     in its low nibble and of feature ``4t + 2 + j % 2`` in its high one; ``scales`` and ``mins``
-    ``[out / 16, G, 16]``. ``out_features`` must be a multiple of 16 (ValueError)."""
+    ``[out / 16, G, 16]``. ``out_features`` must be a multiple of 16 (ValueError). For 5-bit levels
+    :func:`block_fifth_bits` lays out their fifth bits to match."""
     out_features, half_in = packed.shape
     if out_features % BLOCK_OUTPUTS:
         raise ValueError(
@@ -151,6 +152,28 @@ def block_int4_layout(
         return values.reshape(blocks, BLOCK_OUTPUTS, groups).transpose(1, 2).contiguous()  # [B, G, 16]
 
     return blocked, by_block(scales), by_block(mins)
+
+
+def block_fifth_bits(high: torch.Tensor) -> torch.Tensor:
+    """Fifth bits ``[out, G]`` int32 (bit ``j``: element ``j`` of the group, layers/level_sums.py) in the
+    blocked layout: ``[out / 16, G, 16]`` int32, per block, group and step ``t`` two masks whose bit
+    ``j`` is the fifth bit of the level in byte ``j``'s low nibble, then its high nibble."""
+    out_features, groups = high.shape
+    blocks = out_features // BLOCK_OUTPUTS
+    bits = (high[..., None].long() >> torch.arange(GROUP_SIZE)) & 1  # [out, G, 32]
+    steps = bits.reshape(blocks, BLOCK_OUTPUTS, groups, GROUP_SIZE // 4, 4).permute(
+        0, 2, 3, 1, 4
+    )  # [B, G, 8, 16, 4]
+    weights = 1 << torch.arange(GROUP_SIZE)  # bit j of a mask: byte j = output j // 2, feature parity j % 2
+    masks = torch.stack(
+        [
+            (steps[..., :2].reshape(blocks, groups, 8, GROUP_SIZE) * weights).sum(-1),
+            (steps[..., 2:].reshape(blocks, groups, 8, GROUP_SIZE) * weights).sum(-1),
+        ],
+        dim=-1,
+    )  # [B, G, 8, 2] in 0 .. 2^32 - 1
+    masks = torch.where(masks >= 1 << 31, masks - (1 << 32), masks)  # the same bits as int32
+    return masks.reshape(blocks, groups, 2 * (GROUP_SIZE // 4)).to(torch.int32).contiguous()
 
 
 @functools.cache

@@ -17,6 +17,10 @@ exact values, from the levels' bits.
   found from its bfloat16 values (``q8.exact_small_level_groups``, whose 8-bit copy it replaces):
   5.5 bits a weight instead of 8.5, and from 1 up to 8 rows instead of 1.
 
+Without AMX tiles, a layer whose outputs are a multiple of 16 multiplies on the blocked kernel instead
+(``csrc/int4_blocked_cpu.cpp``, through the same op) over a copy made on first use
+(:meth:`LevelWeight.kernel_tensors`): the same exact values, 16 outputs a vector.
+
 Levels are packed as int4 packs them (byte ``j`` of a group holds elements ``j`` and ``j + 16``). The
 layer keeps its bfloat16 weight (the values rounded) for larger steps, other CPUs and the
 deterministic mode: not a quantization, as with the exact 8-bit groups of layers/q8.py.
@@ -24,11 +28,17 @@ deterministic mode: not a quantization, as with the exact 8-bit groups of layers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.layers.int4 import INT4_PAIRS_MAX_ROWS
+from tokenmill.layers.int4 import (
+    BLOCK_OUTPUTS,
+    INT4_PAIRS_MAX_ROWS,
+    block_fifth_bits,
+    block_int4_layout,
+    int4_blocked_available,
+)
 
 GROUP_SIZE = 32
 
@@ -42,15 +52,29 @@ class LevelWeight:
     mins: torch.Tensor  # [out_features, in_features / 32] the scales' dtype
     high: torch.Tensor | None = None  # [out_features, in_features / 32] int32: the fifth bits (Q5_0)
     max_rows: int = INT4_PAIRS_MAX_ROWS
+    # The blocked kernel's copy (:meth:`kernel_tensors`), made on first use.
+    _blocked: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows."""
         return x.dim() == 2 and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= self.max_rows
 
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(packed, scales, mins, high)`` as ``level_sums_linear`` takes them: the blocked kernel's copy
+        (``layers/int4.py`` ``block_int4_layout``) where that kernel runs and the outputs are a multiple
+        of 16, else the level-sums kernel's row layout (this weight's own tensors)."""
+        if self._blocked is None and self.packed.shape[0] % BLOCK_OUTPUTS == 0 and int4_blocked_available():
+            blocked = block_int4_layout(self.packed, self.scales, self.mins)
+            self._blocked = (*blocked, *(() if self.high is None else (block_fifth_bits(self.high),)))
+        if self._blocked is None:
+            return self.packed, self.scales, self.mins, self.high
+        packed, scales, mins, *high = self._blocked
+        return packed, scales, mins, high[0] if high else None
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` ``[rows, out_features]`` in bfloat16 with the exact values (float32 sums)."""
         x = x if x.stride(1) == 1 else x.contiguous()
-        return torch.ops.tokenmill.level_sums_linear(x, self.packed, self.scales, self.mins, self.high)
+        return torch.ops.tokenmill.level_sums_linear(x, *self.kernel_tensors())
 
     def levels(self) -> torch.Tensor:
         """The levels ``[out, in]`` uint8 (0..15, or 0..31 with fifth bits)."""

@@ -11,7 +11,9 @@ EOS ignored):
   ``llama-server``
 
 ``--isa avx2,avx512_bf16`` prints a table per ``TOKENMILL_CPU_ISA`` path (tokenmill held to that
-instruction set; llama.cpp from ``$LLAMA_CPP_BIN_AVX2`` for ``avx2`` where set, an AVX2-only build).
+instruction set; llama.cpp from a build held to the same instructions where one is given:
+``$LLAMA_CPP_BIN_AVX2`` for ``avx2``, an AVX2-only build, ``$LLAMA_CPP_BIN_AVX512`` for ``avx512``,
+AVX-512 without BF16; else the native ``$LLAMA_CPP_BIN``, which the table's header then names).
 
 llama.cpp runs on each of its weight files (the bundled Q4_1 / Q4_K_M, and Q8_0 / BF16 copies made with
 llama-quantize, cached in ~/.cache/tokenmill-bench); its best is the comparison. Every figure is the
@@ -160,11 +162,18 @@ def tokenmill_path_rates(isa: str, args: argparse.Namespace) -> tuple[str, dict[
     return str(report["isa"]), rates
 
 
+# Per path, the variable naming a llama.cpp build held to that path's instructions: built with
+# ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF`` (avx2), or ``-DGGML_NATIVE=OFF -DGGML_AVX512=ON
+# -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=OFF`` (avx512).
+PATH_BUILDS = {"avx2": "LLAMA_CPP_BIN_AVX2", "avx512": "LLAMA_CPP_BIN_AVX512"}
+
+
 def llama_cpp_folder(isa: str) -> str | None:
-    """The llama.cpp build for a path: ``$LLAMA_CPP_BIN_AVX2`` (built with ``-DGGML_NATIVE=OFF
-    -DGGML_AVX2=ON -DGGML_AVX512=OFF``) for ``avx2`` where set, else ``$LLAMA_CPP_BIN`` (native)."""
-    if isa == "avx2" and os.environ.get("LLAMA_CPP_BIN_AVX2"):
-        return os.environ["LLAMA_CPP_BIN_AVX2"]
+    """The llama.cpp build for a path: the one ``PATH_BUILDS`` names where set, else
+    ``$LLAMA_CPP_BIN`` (native)."""
+    variable = PATH_BUILDS.get(isa)
+    if variable and os.environ.get(variable):
+        return os.environ[variable]
     return os.environ.get("LLAMA_CPP_BIN")
 
 

@@ -22,12 +22,14 @@ import torch
 from tokenmill.layers.cpu_kernels import load_error
 
 GROUP_SIZE = 32
-# Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values: on SmolLM2's LM
-# head (49152 x 576, 2 threads, Zen 4 with AVX512-BF16, medians of 30 calls) 0.89 vs 1.39 ms at one
-# row, 1.04 vs 1.44 at two, 1.18 vs 1.47 at three, 1.31 vs 1.59 at four; from five rows oneDNN is
-# as fast or faster (1.5-1.6 vs 1.1-1.6 ms at five, 2.1 vs 1.9 at eight). Larger steps use the
-# bfloat16 weight. (Speculative steps verifying one to three drafts are such steps.)
-Q8_MAX_ROWS = 4
+# Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values, or matches it: on
+# SmolLM2's LM head (49152 x 576, 2 threads, Zen 4 with AVX512-BF16, medians of 30-60 calls) 0.89 vs
+# 1.39 ms at one row, 1.04 vs 1.44 at two, 1.18 vs 1.47 at three, 1.31-1.37 vs 1.55-1.76 at four,
+# 1.50-1.62 vs 1.12-1.89 at five (ahead in three runs of four); from six oneDNN is as fast or faster
+# (1.77-1.80 vs 1.59-1.82, 2.1 vs 1.9 at eight). Larger steps use the bfloat16 weight. Five rows is
+# a speculative step verifying 4 drafts (the default): its rows then take the kernel a one-row
+# decode takes, whose bits do not depend on the step's rows.
+Q8_MAX_ROWS = 5
 # float32 rows: the same bound as int4's on float32 rows (layers/int4.py INT4_FLOAT32_MAX_ROWS, measured
 # on the projections and this head together).
 Q8_FLOAT32_MAX_ROWS = 3

@@ -32,7 +32,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -65,15 +64,16 @@ void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t 
   }
 }
 
-// out[r, 16 b .. 16 b + 16) for ROWS rows and blocks b in [begin, end). Per row one vector of group
-// sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass, for more
-// independent chains, measured slower at every row count: 37-43 vs 35 us on SmolLM2's gate_up at one
-// and two rows; one stream each thread prefetches well.)
+// A block's 16 scales or minimums, float32.
 inline __m512 load_block_constants(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load_block_constants(const float* p) { return _mm512_loadu_ps(p); }
 
+// out[r, 16 b .. 16 b + 16) for ROWS rows and blocks b in [begin, end). Per row one vector of group
+// sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass, for more
+// independent chains, measured slower at every row count: 37-43 vs 35 us on SmolLM2's gate_up at one
+// and two rows; one stream each thread prefetches well.)
 template <int ROWS, typename Scale, bool FIVE>
 void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
                   const Scale* scales, const Scale* mins, const uint32_t* high, c10::BFloat16* out,

@@ -235,7 +235,7 @@ namespace {
 // bfloat16, 1 to kMaxPairRows rows with contiguous features.
 at::Tensor level_sums_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const at::Tensor& mins, const std::optional<at::Tensor>& high) {
-  // The blocked layout (layers/level_sums.py LevelWeight.blocked): the blocked kernel.
+  // The blocked layout (layers/level_sums.py LevelWeight.kernel_tensors): the blocked kernel.
   if (packed.dim() == 3) return ops::int4_linear_blocked(x, packed, scales, mins, high);
   TORCH_CHECK(ops::int4_pairs_available(), "level_sums_linear needs a CPU with AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,

@@ -160,8 +160,8 @@ class FusedDecodeStack:
     # With int4 layers, for steps above max_rows: the same layers on their float32 panels (float32) or
     # their oneDNN-packed weights (bfloat16).
     wide: FusedDecodeStack | None = None
-    # The layers it was built from (int4 stacks): ``with_backend`` builds their tensors anew, since a
-    # row-independent backend's row kernel takes the int4 weights' row layout, not the blocked copy.
+    # The layers it was built from: ``with_backend`` builds their tensors anew, since a row-independent
+    # backend's row kernel takes the int4 weights' row layout, not the blocked copy.
     parts: list[LlamaLayerParts | None] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -219,7 +219,7 @@ class FusedDecodeStack:
             final_norm=final_norm,
             shape=shape,
             eps=eps,
-            parts=parts if int4 else [],
+            parts=parts,
         )
         return stack.fitted()
 
@@ -240,10 +240,8 @@ class FusedDecodeStack:
         return dataclasses.replace(self, wide=None)
 
     def with_backend(self, backend: StackAttentionSource) -> FusedDecodeStack | None:
-        """This stack attending through ``backend`` (``fitted`` to it), without a wide one."""
-        if self.parts:
-            return FusedDecodeStack._of(self.parts, self.final_norm, self.shape, self.eps, True, backend)
-        return dataclasses.replace(self, backend=backend, wide=None).fitted()
+        """The stack ``build`` made, attending through ``backend`` (``fitted`` to it), without a wide one."""
+        return FusedDecodeStack._of(self.parts, self.final_norm, self.shape, self.eps, True, backend)
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | LayerProgress | None:
         """The decoder stack and the final norm over ``hidden`` (``[num_tokens, hidden_size]``: the

@@ -101,12 +101,9 @@ class StackProjection:
         elif q8 is not None:
             tensors, kind, max_rows = [q8.q, q8.scales], KIND_Q8, q8.max_rows if bf16 else Q8_FLOAT32_MAX_ROWS
         elif levels is not None and bf16:
-            packed_levels, level_scales, level_mins, fifth = (
-                levels.kernel_tensors()
-            )  # as the module multiplies
-            high = (
-                fifth if fifth is not None else packed_levels.new_empty(0, dtype=torch.int32)
-            )  # empty: 4 bits
+            # As the module multiplies: the blocked copy where it has one; an empty fourth tensor: 4 bits.
+            packed_levels, level_scales, level_mins, fifth = levels.kernel_tensors()
+            high = fifth if fifth is not None else packed_levels.new_empty(0, dtype=torch.int32)
             tensors, kind, max_rows = (
                 [packed_levels, level_scales, level_mins, high],
                 KIND_LEVELS,

@@ -154,6 +154,16 @@ def block_int4_layout(
     return blocked, by_block(scales), by_block(mins)
 
 
+def blocked_copy(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`block_int4_layout` of a weight whose small bfloat16 steps the blocked kernel takes (it runs
+    here, :func:`int4_blocked_available`, and the outputs are a multiple of 16), else None."""
+    if packed.shape[0] % BLOCK_OUTPUTS or not int4_blocked_available():
+        return None
+    return block_int4_layout(packed, scales, mins)
+
+
 def block_fifth_bits(high: torch.Tensor) -> torch.Tensor:
     """Fifth bits ``[out, G]`` int32 (bit ``j``: element ``j`` of the group, layers/level_sums.py) in the
     blocked layout: ``[out / 16, G, 16]`` int32, per block, group and step ``t`` two masks whose bit
@@ -226,8 +236,8 @@ class Int4Weight:
         """``(packed, scales, mins)`` in the blocked layout for bfloat16 steps of 1 to
         ``INT4_PAIRS_MAX_ROWS`` rows where that kernel runs (:func:`int4_blocked_available`) and the
         outputs are a multiple of 16, else None (those steps take the level-sums or row kernel)."""
-        if self._blocked is None and self.packed.shape[0] % BLOCK_OUTPUTS == 0 and int4_blocked_available():
-            self._blocked = block_int4_layout(self.packed, self.scales, self.mins)
+        if self._blocked is None:
+            self._blocked = blocked_copy(self.packed, self.scales, self.mins)
         return self._blocked
 
     def triple(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

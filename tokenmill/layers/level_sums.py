@@ -32,13 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.layers.int4 import (
-    BLOCK_OUTPUTS,
-    INT4_PAIRS_MAX_ROWS,
-    block_fifth_bits,
-    block_int4_layout,
-    int4_blocked_available,
-)
+from tokenmill.layers.int4 import INT4_PAIRS_MAX_ROWS, block_fifth_bits, blocked_copy
 
 GROUP_SIZE = 32
 
@@ -53,7 +47,9 @@ class LevelWeight:
     high: torch.Tensor | None = None  # [out_features, in_features / 32] int32: the fifth bits (Q5_0)
     max_rows: int = INT4_PAIRS_MAX_ROWS
     # The blocked kernel's copy (:meth:`kernel_tensors`), made on first use.
-    _blocked: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+    _blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows."""
@@ -63,13 +59,12 @@ class LevelWeight:
         """``(packed, scales, mins, high)`` as ``level_sums_linear`` takes them: the blocked kernel's copy
         (``layers/int4.py`` ``block_int4_layout``) where that kernel runs and the outputs are a multiple
         of 16, else the level-sums kernel's row layout (this weight's own tensors)."""
-        if self._blocked is None and self.packed.shape[0] % BLOCK_OUTPUTS == 0 and int4_blocked_available():
-            blocked = block_int4_layout(self.packed, self.scales, self.mins)
-            self._blocked = (*blocked, *(() if self.high is None else (block_fifth_bits(self.high),)))
-        if self._blocked is None:
-            return self.packed, self.scales, self.mins, self.high
-        packed, scales, mins, *high = self._blocked
-        return packed, scales, mins, high[0] if high else None
+        if (
+            self._blocked is None
+            and (blocked := blocked_copy(self.packed, self.scales, self.mins)) is not None
+        ):
+            self._blocked = (*blocked, None if self.high is None else block_fifth_bits(self.high))
+        return self._blocked or (self.packed, self.scales, self.mins, self.high)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` ``[rows, out_features]`` in bfloat16 with the exact values (float32 sums)."""

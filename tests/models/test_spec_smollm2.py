@@ -22,8 +22,10 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 @pytest.fixture(scope="module")
 def smol_spec() -> LLM:
+    """Float32, every draft found verified: whether the measured gate (core/spec_payoff.py) drafts
+    depends on this machine's timings, and this test counts accepted drafts."""
     smollm2_gguf()
-    return LLM("smollm2-135m", dtype="float32", num_blocks=64, speculative_config=SPEC)
+    return LLM("smollm2-135m", dtype="float32", num_blocks=64, speculative_config={**SPEC, "adaptive": False})
 
 
 def test_smollm2_greedy_with_ngram_drafts_matches_transformers(smol_spec: LLM, smol_hf) -> None:  # type: ignore[no-untyped-def]
@@ -62,7 +64,8 @@ def test_smollm2_bfloat16_tokens_are_the_same_with_speculation_on_and_off() -> N
     smollm2_gguf()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     results = []
-    for spec in (None, SPEC):
+    # Every draft found verified (not adaptive): whether the gate drafts depends on the machine's timings.
+    for spec in (None, {**SPEC, "adaptive": False}):
         llm = LLM("smollm2-135m", dtype="bfloat16", num_blocks=64, speculative_config=spec)
         outputs = llm.generate(COPY_PROMPTS, params, use_tqdm=False)
         outputs += llm.chat(COPY_CHAT, params, use_tqdm=False)

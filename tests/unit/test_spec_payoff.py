@@ -47,13 +47,73 @@ def test_runs_alternate_until_both_sides_are_measured_and_mixed_steps_are_not() 
     assert payoff.rates() == {2: (pytest.approx(200.0), pytest.approx(300.0))}
 
 
-def test_a_losing_side_is_taken_only_to_re_measure_it() -> None:
-    payoff = measured(drafted_rate=50, plain_rate=100, explore_every=8)
-    decisions = [payoff.should_draft(1) for _ in range(16)]
-    assert decisions == [i in (7, 8, 9, 15) for i in range(16)]  # runs of 3 from the 8th and 16th
+def test_a_losing_side_is_taken_only_to_re_measure_it_ever_less_often_while_it_keeps_losing() -> None:
+    payoff = measured(drafted_rate=50, plain_rate=100, explore_every=8, max_explore_every=32)
+    decisions = [payoff.should_draft(1) for _ in range(64)]
+    # Runs of 3 from the 8th decision; each that leaves the verdict standing doubles the interval.
+    explored = [i for i, drafted in enumerate(decisions) if drafted]
+    assert explored == [7, 8, 9, 23, 24, 25, 55, 56, 57]
     assert payoff.rates() == {1: (50.0, 100.0)}
     winning = measured(drafted_rate=150, plain_rate=100, explore_every=8)
     assert [winning.should_draft(1) for _ in range(11)] == [True] * 7 + [False] * 3 + [True]
+
+
+def test_an_exploring_run_that_changes_the_verdict_resets_the_interval() -> None:
+    payoff = measured(drafted_rate=50, plain_rate=100, explore_every=8, smoothing=1.0)
+    decisions = [payoff.should_draft(1) for _ in range(10)]
+    assert [i for i, d in enumerate(decisions) if d] == [7, 8, 9]
+    # Its steps measured drafting faster now (copying began): drafting wins and the next exploring
+    # run (of plain steps) comes after the base interval again, not a doubled one.
+    payoff.observe(1, 300, drafted=True, seconds=1.0, proposed=True)
+    decisions = [payoff.should_draft(1) for _ in range(8)]
+    assert decisions == [True] * 5 + [False] * 3  # decisions 10..14 draft, 15..17 explore plain
+
+
+def test_a_class_borrows_plain_from_a_smaller_class_and_drafted_from_a_larger_one() -> None:
+    """Drafting pays less the larger the batch: plain winning at one sequence holds at 16, drafted
+    winning at 16 holds at one; the other way round only a wide margin carries, ``decisive_margin``
+    (1.3) per class between."""
+    losing_small = measured(drafted_rate=95, plain_rate=100, num_seqs=1, explore_every=8)
+    assert losing_small.verdict(16) is False
+    assert [losing_small.should_draft(16) for _ in range(8)] == [False] * 7 + [True]  # explores at the 8th
+    winning_large = measured(drafted_rate=105, plain_rate=100, num_seqs=16)
+    assert winning_large.verdict(1) is True and winning_large.should_draft(1)
+    losing_large = measured(drafted_rate=80, plain_rate=100, num_seqs=16)  # 1.25 < 1.3: nothing below
+    assert losing_large.verdict(8) is None
+    assert [losing_large.should_draft(8) for _ in range(3)] == [True] * 3  # measuring its drafted side first
+    winning_small = measured(drafted_rate=120, plain_rate=100, num_seqs=1)
+    assert winning_small.verdict(2) is None
+    # Drafted steps at 16 yielding 0.6x what plain ones do: plain for 8-15 (1.67 >= 1.3), not for 4-7
+    # (1.67 < 1.69); drafted at one sequence winning 2x: drafted for 2-3 and 4-7 (2 >= 1.69), not 8-15.
+    falling = measured(drafted_rate=60, plain_rate=100, num_seqs=16)
+    assert [falling.verdict(n) for n in (8, 15, 4, 7)] == [False, False, None, None]
+    rising = measured(drafted_rate=200, plain_rate=100, num_seqs=1)
+    assert [rising.verdict(n) for n in (2, 3, 4, 7, 8)] == [True, True, True, True, None]
+    # The nearest class with a verdict speaks: drafted winning at 2-3 sequences outweighs plain at 1.
+    mixed = measured(drafted_rate=80, plain_rate=100, num_seqs=1)
+    for _ in range(mixed.min_samples):
+        mixed.observe(2, 200, drafted=True, seconds=1.0, proposed=True)
+        mixed.observe(2, 100, drafted=False, seconds=1.0, proposed=False)
+    assert mixed.verdict(2) is True and mixed.verdict(4) is True and mixed.verdict(16) is None
+
+
+def test_one_run_a_side_decides_when_one_side_wins_clearly() -> None:
+    """After a run of each side (``run_length - 1`` measured steps each), a side ahead by
+    ``decisive_margin`` decides; a closer race keeps alternating up to ``min_samples``."""
+
+    def after_one_run_each(drafted_rate: int, plain_rate: int) -> DraftPayoff:
+        payoff = DraftPayoff(min_samples=4, run_length=3, decisive_margin=1.3)
+        for _ in range(2):
+            payoff.observe(16, drafted_rate, drafted=True, seconds=1.0, proposed=True)
+            payoff.observe(16, plain_rate, drafted=False, seconds=1.0, proposed=False)
+        return payoff
+
+    clear = after_one_run_each(drafted_rate=70, plain_rate=100)
+    assert clear.verdict(16) is False
+    assert [clear.should_draft(16) for _ in range(10)] == [False] * 10
+    close = after_one_run_each(drafted_rate=90, plain_rate=100)
+    assert close.verdict(16) is None
+    assert [close.should_draft(16) for _ in range(3)] == [True] * 3  # alternating on
 
 
 def test_classes_are_measured_apart_and_a_change_is_followed() -> None:
@@ -70,6 +130,10 @@ def test_bad_settings_are_refused() -> None:
         DraftPayoff(explore_every=1)
     with pytest.raises(ValueError, match="2 <= run_length < explore_every"):
         DraftPayoff(run_length=1)
+    with pytest.raises(ValueError, match="decisive_margin >= 1"):
+        DraftPayoff(decisive_margin=0.9)
+    with pytest.raises(ValueError, match="max_explore_every >= explore_every"):
+        DraftPayoff(explore_every=64, max_explore_every=32)
 
 
 def entry(prompt_len: int, start: int, drafts: list[int]) -> ScheduledRequest:

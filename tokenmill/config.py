@@ -364,6 +364,12 @@ class SpeculativeConfig:
     ``mtp`` drafts with the checkpoint's own multi-token-prediction layer (DeepSeek-V3, Kimi K2) from
     the target's hidden states (``worker/mtp_proposer.py``). ``eagle`` / ``eagle3`` draft with an
     EAGLE-1 / EAGLE-3 head whose folder is ``model`` (``worker/eagle_proposer.py``).
+    ``quantization``: the drafter's weight-only quantization (``draft_model``, ``eagle``, ``eagle3``),
+    as ``ModelConfig.quantization``: ``none`` (weights as loaded), ``int8`` or ``int4`` (CPU,
+    bfloat16). Drafts only propose and verification keeps the target's tokens, so quantizing a
+    drafter changes acceptance, never outputs. None (the default): an EAGLE head in bfloat16 on CPU
+    takes ``int4`` where the int4 kernel loads (a draft step streams a quarter of the head's bytes),
+    anything else its weights as loaded.
     """
 
     method: str = "ngram"
@@ -373,6 +379,7 @@ class SpeculativeConfig:
     draft_confidence: float = 0.5
     adaptive: bool = True
     model: str | None = None
+    quantization: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
@@ -413,6 +420,11 @@ class SpeculativeConfig:
             )
         if not 0.0 <= self.draft_confidence <= 1.0:
             raise ValueError(f"draft_confidence must be within [0, 1], got {self.draft_confidence}")
+        if self.quantization is not None and self.method not in ("draft_model", "eagle", "eagle3"):
+            raise ValueError(
+                f'speculative_config "quantization" is for the drafter\'s weights (methods "draft_model", '
+                f'"eagle" and "eagle3"); method {self.method!r} has none of its own'
+            )
 
 
 # How a data-parallel server picks the engine for a request (``router/policy.py``).

@@ -322,3 +322,34 @@ def test_a_trained_head_drafts_at_serving_what_it_computed_in_training(target: T
     torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=1e-3)
     drafts = [proposer._confident(row) for row in got_logits]
     assert drafts == draft_ids[want_logits.argmax(-1)].tolist()
+
+
+def test_a_bfloat16_head_drafts_with_int4_weights_unless_told_otherwise(
+    target: TinyModel, heads: dict[str, str]
+) -> None:
+    """On CPU in bfloat16 the head's linear layers take int4 copies by default (its draft steps read
+    a quarter of the bytes); ``quantization: none`` keeps its weights. Either way greedy output is the
+    engine's own without speculation: a drafter's weights change acceptance, never tokens."""
+    from tokenmill.layers.linear import LinearBase
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    want = generate(make_llm(target, None, dtype="bfloat16"), greedy)
+    for quantization, int4 in ((None, True), ("none", False)):
+        spec = {**spec_of("eagle", heads["eagle"]), "quantization": quantization, "adaptive": False}
+        llm = make_llm(target, spec, dtype="bfloat16")
+        head = llm.engine.executor.runner.proposer.head_module  # type: ignore[attr-defined]
+        linears = [m for m in head.modules() if isinstance(m, LinearBase)]
+        assert linears and all((m.int4_weight is not None) == int4 for m in linears), quantization
+        assert generate(llm, greedy) == want
+        assert llm.engine.kv_stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_drafter_quantization_is_refused_where_it_cannot_apply(
+    target: TinyModel, heads: dict[str, str]
+) -> None:
+    with pytest.raises(ValueError, match='"quantization" is for the drafter\'s weights'):
+        make_llm(target, {"method": "ngram", "quantization": "int4"})
+    with pytest.raises(ValueError, match="quantization 'int4' needs dtype bfloat16 on CPU"):
+        make_llm(target, {**spec_of("eagle", heads["eagle"]), "quantization": "int4"})  # float32
+    with pytest.raises(ValueError, match="quantization 'int8' needs dtype bfloat16 on CPU"):
+        make_llm(target, {"method": "draft_model", "model": target.path, "quantization": "int8"})

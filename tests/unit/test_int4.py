@@ -281,7 +281,10 @@ def test_engine_int4_gives_the_same_greedy_tokens_alone_and_in_a_large_batch(
     path = tiny_model("qwen3").path  # untied head, head_dim 24: o_proj has 96 inputs
     with pytest.raises(ValueError, match="needs dtype bfloat16 on CPU"):
         LLM(path, dtype="float32", quantization="int4", num_blocks=16)
-    with caplog.at_level(logging.INFO, logger="tokenmill.worker.model_runner"):
+    with (
+        caplog.at_level(logging.INFO, logger="tokenmill.worker.model_runner"),
+        caplog.at_level(logging.INFO, logger="tokenmill.layers.quantization"),
+    ):
         llm = LLM(path, dtype="bfloat16", quantization="int4", num_blocks=64, enable_prefix_caching=False)
     # 2 layers x (qkv, o, gate_up, down); the LM head stays exact.
     assert "int4 weights in 8 layers" in caplog.text
@@ -297,18 +300,15 @@ def test_engine_int4_gives_the_same_greedy_tokens_alone_and_in_a_large_batch(
 def test_the_runner_counts_quantized_layers_and_logs_each_one_left_alone(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from types import SimpleNamespace
-
-    from tokenmill.worker.model_runner import ModelRunner
+    from tokenmill.layers.quantization import quantize_modules
 
     model = torch.nn.ModuleDict(
         {"fits": RowParallelLinear(64, 32, dtype=BF16), "odd": RowParallelLinear(48, 32, dtype=BF16)}
     )
     for layer in model.values():
         layer.weight.data.copy_(torch.randn(32, layer.in_features))
-    runner = SimpleNamespace(model=model, dtype=BF16, device=torch.device("cpu"))
-    with caplog.at_level(logging.INFO, logger="tokenmill.worker.model_runner"):
-        assert ModelRunner._quantize(runner, "int4") == 1  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="tokenmill.layers.quantization"):
+        assert quantize_modules(model, "int4", BF16, torch.device("cpu")) == 1
     assert (
         "odd keeps its torch.bfloat16 weights (not int4): in_features 48 is not a multiple of 32"
         in caplog.text

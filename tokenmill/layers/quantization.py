@@ -14,7 +14,12 @@ reported in docs/performance.md.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
 
@@ -31,6 +36,25 @@ def check_quantization(kind: str | None, dtype: torch.dtype, device: torch.devic
         raise ValueError(f"unknown quantization {kind!r}; choose one of {('none', *QUANTIZATIONS)}")
     if device.type != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"quantization {kind!r} needs dtype bfloat16 on CPU, got {dtype} on {device.type}")
+
+
+def quantize_modules(model: nn.Module, kind: str | None, dtype: torch.dtype, device: torch.device) -> int:
+    """Quantize (``check_quantization``'s ``kind``) every module of ``model`` that has
+    ``quantize_weights``; returns how many did (0 for None or ``none``). A layer whose shape the
+    format cannot hold keeps its weights, with a log line saying so."""
+    check_quantization(kind, dtype, device)
+    if kind is None or kind == "none":
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        quantize = getattr(module, "quantize_weights", None)
+        if quantize is not None:
+            skipped = quantize(kind)
+            if skipped is None:
+                count += 1
+            else:
+                logger.info("%s keeps its %s weights (not %s): %s", name, dtype, kind, skipped)
+    return count
 
 
 def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

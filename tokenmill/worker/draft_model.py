@@ -56,7 +56,11 @@ class DraftModelProposer:
             )
         draft_config = EngineConfig(
             model=ModelConfig(
-                model=spec.model, dtype=config.model.dtype, device=config.model.device, seed=config.model.seed
+                model=spec.model,
+                dtype=config.model.dtype,
+                device=config.model.device,
+                seed=config.model.seed,
+                quantization=spec.quantization,
             ),
             cache=CacheConfig(block_size=config.cache.block_size, num_blocks=num_blocks),
             num_threads=config.num_threads,

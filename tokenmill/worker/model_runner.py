@@ -33,7 +33,7 @@ from tokenmill.layers.cpu_kernels import load_error
 from tokenmill.layers.embedding import LMHead
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.linear import LinearBase
-from tokenmill.layers.quantization import check_quantization
+from tokenmill.layers.quantization import quantize_modules
 from tokenmill.layers.tensor_parallel import SINGLE, TensorParallel
 from tokenmill.loader import ModelSource
 from tokenmill.loader.gguf_k4 import keep_exact_k4
@@ -179,21 +179,8 @@ class ModelRunner:
         return quantized, exact_int4, exact_q8
 
     def _quantize(self, kind: str | None) -> int:
-        """Quantize every layer that supports it; returns how many did (0 without quantization). A
-        layer whose shape the format cannot hold keeps its weights, with a log line saying so."""
-        check_quantization(kind, self.dtype, self.device)
-        if kind is None or kind == "none":
-            return 0
-        count = 0
-        for name, module in self.model.named_modules():
-            quantize = getattr(module, "quantize_weights", None)
-            if quantize is not None:
-                skipped = quantize(kind)
-                if skipped is None:
-                    count += 1
-                else:
-                    logger.info("%s keeps its %s weights (not %s): %s", name, self.dtype, kind, skipped)
-        return count
+        """Quantize every layer that supports it (``quantize_modules``); returns how many did."""
+        return quantize_modules(self.model, kind, self.dtype, self.device)
 
     def _keep_exact_copies(self) -> tuple[int, int]:
         """On CPU in bfloat16 or float32 (not under rl_exact_logprobs, whose float32 products keep

@@ -160,8 +160,7 @@ class HiddenStateProposer:
         for _, state, _, tokens in rows:
             state.num_computed += len(tokens)
         active = []
-        for i, (context, state, _, _) in enumerate(rows):
-            token = self._confident(logits[i])
+        for i, ((context, state, _, _), token) in enumerate(zip(rows, self._confident(logits), strict=True)):
             if token is None:
                 continue
             drafts[context.request_id] = [token]
@@ -175,8 +174,9 @@ class HiddenStateProposer:
             ]
             hidden, logits = self._run(steps, torch.cat([h for _, _, h, _ in active]))
             still = []
-            for i, (context, state, _, _) in enumerate(active):
-                token = self._confident(logits[i])
+            for i, ((context, state, _, _), token) in enumerate(
+                zip(active, self._confident(logits), strict=True)
+            ):
                 if token is None:
                     continue
                 drafts[context.request_id].append(token)
@@ -185,15 +185,17 @@ class HiddenStateProposer:
             active = still
         return drafts
 
-    def _confident(self, logits: torch.Tensor) -> int | None:
-        """The greedy draft (a target token id), or None when its probability is below
-        ``draft_confidence``."""
-        probs = torch.softmax(logits.float(), dim=-1)  # [draft_vocab]
-        confidence, token = probs.max(dim=-1)
-        if float(confidence) < self.draft_confidence:
-            return None
+    def _confident(self, logits: torch.Tensor) -> list[int | None]:
+        """Per row of ``logits`` ``[rows, draft_vocab]``: the greedy draft (a target token id), or
+        None when its probability is below ``draft_confidence``."""
+        confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [rows] each
         d2t = self.head.draft_to_target
-        return int(token) if d2t is None else int(d2t[token])
+        if d2t is not None:
+            tokens = d2t[tokens]
+        return [
+            token if conf >= self.draft_confidence else None
+            for token, conf in zip(tokens.tolist(), confidence.tolist(), strict=True)
+        ]
 
     def _catch_up_inputs(self, context: DraftContext, state: _HeadState) -> tuple[torch.Tensor, list[int]]:
         """The target features of positions ``num_computed .. len - 2`` (zeros where none was

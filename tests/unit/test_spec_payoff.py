@@ -69,6 +69,15 @@ def test_an_exploring_run_that_changes_the_verdict_resets_the_interval() -> None
     assert decisions == [True] * 5 + [False] * 3  # decisions 10..14 draft, 15..17 explore plain
 
 
+def test_a_verdict_standing_by_a_narrow_margin_or_borrowed_keeps_the_base_interval() -> None:
+    narrow = measured(drafted_rate=90, plain_rate=100, explore_every=8)  # 1.11 < decisive_margin
+    decisions = [narrow.should_draft(1) for _ in range(26)]
+    assert [i for i, d in enumerate(decisions) if d] == [7, 8, 9, 15, 16, 17, 23, 24, 25]
+    borrowed = measured(drafted_rate=50, plain_rate=100, num_seqs=1, explore_every=8)
+    decisions = [borrowed.should_draft(16) for _ in range(26)]  # plain borrowed from one sequence
+    assert [i for i, d in enumerate(decisions) if d] == [7, 8, 9, 15, 16, 17, 23, 24, 25]
+
+
 def test_a_class_borrows_plain_from_a_smaller_class_and_drafted_from_a_larger_one() -> None:
     """Drafting pays less the larger the batch: plain winning at one sequence holds at 16, drafted
     winning at 16 holds at one; the other way round only a wide margin carries, ``decisive_margin``

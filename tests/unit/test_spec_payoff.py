@@ -212,3 +212,15 @@ def test_a_verifying_step_that_verifies_no_draft_is_measured_on_neither_side() -
     state.observe_step(drafted, 0.010)
     assert state.payoff._class(1).drafted.count == 1
     assert state.payoff._class(1).drafted.tokens_per_second == pytest.approx(100.0)
+
+
+def test_a_drafter_that_ran_and_cut_every_draft_is_measured_on_the_drafted_side() -> None:
+    """An EAGLE head below ``draft_confidence`` on every entry: no draft to verify, but the head's pass
+    was paid for (a chat single stream: three steps in four), so the step counts for drafting."""
+    state = SpecDecodeState(SpeculativeConfig(method="eagle", model="head"), StepTimeModel())
+    missed = SchedulerOutput(scheduled=[entry(3, 5, [])], propose_drafts=True)
+    for _ in range(3):  # the first run of decisions verifies (both sides unmeasured: drafting first)
+        state.begin_step(num_running=1)
+        state.observe_step(missed, 0.020)
+    assert state.payoff._class(1).drafted.count == 3
+    assert state.payoff._class(1).drafted.tokens_per_second == pytest.approx(50.0)

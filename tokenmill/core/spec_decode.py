@@ -72,6 +72,8 @@ class SpecDecodeState:
         self.proposed_at = [0] * k  # per draft position: drafts verified there
         self.accepted_at = [0] * k  # per draft position: drafts accepted there
         self.payoff = DraftPayoff()
+        # Whether proposing that finds nothing costs nothing (a lookup, no model pass): see observe_step.
+        self.free_misses = config is not None and config.method == "ngram"
         self._paused = False  # the gate stopped drafting for the step being planned
         # The gate's decision for the next step, made a step ahead so that the runner drafts (after
         # sampling this step) only for a step that will verify drafts: the plan's ``propose_drafts``.
@@ -184,12 +186,14 @@ class SpecDecodeState:
             return
         if any(e.start_position < len(e.prompt_token_ids) or not e.sample for e in plan.scheduled):
             return
-        # The side is the step's mode. A verifying step whose proposer found nothing at all (an
-        # n-gram miss, a confidence cut on every entry) is measured on neither side: it is a plain
-        # step plus what proposing costs, and on the drafted side its runs of misses (text that is
-        # not copied, before a copy starts) would stop drafting for the stretch where drafts pay.
+        # The side is the step's mode. A verifying step whose n-gram proposer found nothing at all is
+        # measured on neither side: a lookup costs next to nothing, so the step is a plain one, and on
+        # the drafted side runs of misses (text that is not copied, before a copy starts) would stop
+        # drafting for the stretch where drafts pay. A model's pass is not free: a step whose drafter
+        # ran and cut every draft (an EAGLE head below draft_confidence, three steps in four on chat)
+        # paid for it, and counts on the drafted side.
         verifying = not self._paused
-        if verifying and not any(e.draft_token_ids for e in plan.scheduled):
+        if verifying and self.free_misses and not any(e.draft_token_ids for e in plan.scheduled):
             return
         self.payoff.observe(
             len(plan.scheduled),

@@ -145,8 +145,10 @@ class DraftPayoff:
         else:
             interval = batch.explore_every or self.explore_every
             if batch.explored_from is not None:  # the exploring run's steps are measured by now
-                clear = verdict == batch.explored_from and self._own_verdict(batch) is not None
-                clear = clear and batch.margin() >= self.decisive_margin
+                own = self._own_verdict(batch)
+                clear = (
+                    own is not None and own == batch.explored_from and batch.margin() >= self.decisive_margin
+                )
                 interval = min(2 * interval, self.max_explore_every) if clear else self.explore_every
                 batch.explore_every, batch.explored_from = interval, None
             if batch.since_explored < interval:
@@ -164,24 +166,18 @@ class DraftPayoff:
         if own is not None:
             return own
         # The nearest class on each side that has a verdict of its own.
-        smaller = next(
-            (k for k in sorted(self._classes, reverse=True) if k < key and self._has_verdict(k)), None
-        )
-        larger = next((k for k in sorted(self._classes) if k > key and self._has_verdict(k)), None)
-        if smaller is not None and not self._own_verdict(self._classes[smaller]):
+        verdicts = {k: v for k, batch in self._classes.items() if (v := self._own_verdict(batch)) is not None}
+        smaller = max((k for k in verdicts if k < key), default=None)
+        larger = min((k for k in verdicts if k > key), default=None)
+        if smaller is not None and not verdicts[smaller]:
             return False  # plain won with fewer sequences
-        if larger is not None and self._own_verdict(self._classes[larger]):
+        if larger is not None and verdicts[larger]:
             return True  # drafted won with more sequences
         # Against the grain, only a wide win reaches across: decisive_margin per class between.
-        for k, side in ((larger, False), (smaller, True)):
-            if k is not None:
-                batch = self._classes[k]
-                if batch.drafting_wins() == side and batch.margin() >= self.decisive_margin ** abs(k - key):
-                    return side
+        for k in (larger, smaller):
+            if k is not None and self._classes[k].margin() >= self.decisive_margin ** abs(k - key):
+                return verdicts[k]
         return None
-
-    def _has_verdict(self, key: int) -> bool:
-        return self._own_verdict(self._classes[key]) is not None
 
     def _own_verdict(self, batch: _BatchClass) -> bool | None:
         if batch.measured(self.min_samples):

@@ -13,7 +13,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_kernels, fused_cpu
 from tokenmill.layers.cpu_gemm import float32_panels_preferred
-from tokenmill.layers.int4 import int4_max_rows
+from tokenmill.layers.int4 import BLOCK_OUTPUTS, int4_max_rows
 
 STACK_SIGNATURE = inspect.signature(fused_cpu.llama_decode_stack)
 
@@ -123,7 +123,7 @@ def test_steps_with_prompt_chunks_over_the_prefill_kernel_run_fused_with_the_sam
         dtype="bfloat16",
         quantization="int4",
         num_blocks=64,
-        max_num_batched_tokens=min(40, int4_max_rows()),
+        max_num_batched_tokens=min(40, int4_max_rows(BLOCK_OUTPUTS)),
     )
     model = llm.engine.executor.runner.model
     assert model.decode_stack is not None
@@ -177,7 +177,7 @@ def test_steps_above_the_int4_kernels_rows_run_on_the_wide_stack_with_the_same_r
     )
     model = llm.engine.executor.runner.model
     stack = model.decode_stack
-    assert stack is not None and stack.max_rows == int4_max_rows()
+    assert stack is not None and stack.max_rows == int4_max_rows(BLOCK_OUTPUTS)
     packed = [
         linear.packed_weight
         for layer in model.layers

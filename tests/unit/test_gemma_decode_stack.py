@@ -22,7 +22,13 @@ from tokenmill.layers.gemma_decode_stack import (
     KIND_PANELS,
     KIND_Q8,
 )
-from tokenmill.layers.int4 import int4_max_rows, int4_pairs_available
+from tokenmill.layers.int4 import (
+    BLOCK_OUTPUTS,
+    INT4_BLOCKED_MAX_ROWS,
+    blocked_takes,
+    int4_max_rows,
+    int4_pairs_available,
+)
 from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.models.base import prepare_for_inference
 from tokenmill.step_control import LayerProgress
@@ -121,7 +127,7 @@ def test_int4_decode_steps_run_fused_with_the_same_tokens_and_logprobs(
     )
     stack = llm.engine.executor.runner.model.decode_stack
     assert stack is not None
-    assert stack.kinds == [KIND_INT4] * 4 * NUM_LAYERS and stack.max_rows == int4_max_rows()
+    assert stack.kinds == [KIND_INT4] * 4 * NUM_LAYERS and stack.max_rows == int4_max_rows(BLOCK_OUTPUTS)
     # Two attention kinds (sliding with the local rope, global with the scaled one), in layer order.
     assert stack.windows == [GEMMA3.kwargs["sliding_window"], None] and stack.layer_kinds == [0, 0, 1, 0]
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
@@ -167,7 +173,7 @@ def test_steps_above_every_small_kernel_run_on_the_wide_stack_with_the_same_resu
         return
     wide = stack.wide
     assert wide is not None and wide.kinds == [KIND_ONEDNN] * 4 * NUM_LAYERS and wide.wide is None
-    assert wide.min_rows == max(8 if int4_pairs_available() else 1, int4_max_rows()) + 1
+    assert wide.min_rows == max(8 if int4_pairs_available() else 1, int4_max_rows(BLOCK_OUTPUTS)) + 1
     prompts = [[10 + (7 * i + 5 * j) % 140 for j in range(3 + 2 * i)] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 
@@ -213,7 +219,17 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     stack = model.decode_stack
     assert stack is not None
     assert stack.kinds == [KIND_LEVELS, KIND_INT4, KIND_LEVELS, KIND_LEVELS] * NUM_LAYERS
-    assert stack.max_rows == 8
+    # The blocked kernel's rows where it takes every projection (outputs a multiple of 16), else the
+    # level sums' 8.
+    layer = model.layers[0]
+    projections = (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
+    blocked = all(blocked_takes(p.weight.shape[0]) for p in projections)
+    assert stack.max_rows == (INT4_BLOCKED_MAX_ROWS if blocked else 8)
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
     # Steps of several decodes too (the kernel's multi-row passes, in the stack and in the modules).
     calls = _count_stack_rows(monkeypatch)

@@ -11,6 +11,8 @@ import torch
 from tokenmill.layers import int4 as int4_module
 from tokenmill.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.layers.int4 import (
+    BLOCK_OUTPUTS,
+    INT4_BLOCKED_MAX_ROWS,
     INT4_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
     METHOD_PAIRS,
@@ -18,6 +20,7 @@ from tokenmill.layers.int4 import (
     METHOD_TILES,
     dequantize_int4_float32,
     dequantize_int4_reference,
+    int4_blocked_available,
     int4_dequantize,
     int4_has_tiles,
     int4_linear,
@@ -181,14 +184,16 @@ def test_the_tile_kernel_is_used_where_amx_is_granted_and_refused_elsewhere() ->
     packed, scales, mins = quantize_int4(torch.randn(16, 64, dtype=BF16))
     x = torch.randn(8, 64, dtype=BF16)
     if int4_has_tiles():
-        assert int4_max_rows() == 128
+        assert int4_max_rows(16) == int4_max_rows(40) == 128
         tiles = int4_linear(x, packed, scales, mins, None, METHOD_TILES)
         assert torch.equal(int4_linear(x, packed, scales, mins, None), tiles)  # auto picks tiles at 8 rows
         small = METHOD_PAIRS if int4_pairs_available() else METHOD_ROWS  # at 1 row: level sums or rows
         one_row = int4_linear(x[:1], packed, scales, mins, None)
         assert torch.equal(one_row, int4_linear(x[:1], packed, scales, mins, None, small))
     else:
-        assert int4_max_rows() == INT4_MAX_ROWS
+        # The blocked kernel's rows for weights it takes (outputs a multiple of 16), else the row kernels'.
+        assert int4_max_rows(16) == (INT4_BLOCKED_MAX_ROWS if int4_blocked_available() else INT4_MAX_ROWS)
+        assert int4_max_rows(40) == INT4_MAX_ROWS
         with pytest.raises(RuntimeError, match="the int4 tile path needs AMX"):
             int4_linear(x, packed, scales, mins, None, METHOD_TILES)
     with pytest.raises(RuntimeError, match="method must be 0"):
@@ -216,7 +221,7 @@ def test_layers_use_the_kernel_for_small_batches_and_the_same_weights_for_large(
     int4 = layer.int4_weight
     assert torch.equal(layer.weight.data, dequantize_int4_reference(int4.packed, int4.scales, int4.mins))
     assert not torch.equal(layer.weight.data, original)
-    x = torch.randn(int4_max_rows() + 8, 128, dtype=BF16)
+    x = torch.randn(int4.max_rows + 8, 128, dtype=BF16)
     large = layer(x).float()  # oneDNN bfloat16 GEMM on the dequantized weight
     small = layer(x[:4]).float()  # the int4 kernel
     assert torch.allclose(small, large[:4], rtol=2e-2, atol=2e-2)
@@ -292,7 +297,9 @@ def test_engine_int4_gives_the_same_greedy_tokens_alone_and_in_a_large_batch(
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = [7, 8, 9, 10, 11]
     alone = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    others = [{"prompt_token_ids": [20 + i % 100, 30, 40 + i % 7]} for i in range(int4_max_rows() + 8)]
+    others = [
+        {"prompt_token_ids": [20 + i % 100, 30, 40 + i % 7]} for i in range(int4_max_rows(BLOCK_OUTPUTS) + 8)
+    ]
     batch = llm.generate([{"prompt_token_ids": prompt}, *others], params, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
 

@@ -1,8 +1,8 @@
 """The blocked int4 kernel (``csrc/int4_blocked_cpu.cpp``) over its copy of an int4 weight
 (``layers/int4.py`` ``block_int4_layout``): the layout holds the same levels and constants, the
 kernel computes with the exact values ``d * q + m``, a row's bits do not depend on the step's rows,
-and ``Int4Weight`` sends bfloat16 steps of 1 to 8 rows to it; ``LevelWeight`` (GGUF Q4_K / Q5_0
-groups) too."""
+and ``Int4Weight`` sends bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows to it; ``LevelWeight``
+(GGUF Q4_K / Q5_0 groups) too."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.layers.int4 import (
     BLOCK_OUTPUTS,
+    INT4_BLOCKED_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
     METHOD_ROWS,
     Int4Weight,
@@ -57,21 +58,23 @@ def test_the_blocked_layout_holds_each_level_where_the_kernel_reads_it() -> None
 @pytest.mark.parametrize("shape", [(960, 576), (16, 32), (48, 96), (576, 1536), (64, 544)])
 def test_the_blocked_kernel_computes_with_the_exact_weight_values(shape: tuple[int, int]) -> None:
     """d * sum(x q) + m * sum(x) per group, float32 sums, one bfloat16 rounding; every row count from 1
-    to 8 (its passes of 4, 2 and 1 blocks, and their single-block tails) gives each row the bits it
-    has alone."""
+    to past two passes of 8 rows over a block (and a larger step) gives each row the bits it has
+    alone."""
     out_features, in_features = shape
     packed, scales, mins = quantize_int4(torch.randn(shape) / in_features**0.5 + 0.01)
     weight = Int4Weight(packed, scales, mins)
     blocked = weight.blocked()
     assert blocked is not None
     exact_weight = dequantize_int4_float32(packed, scales, mins).double()  # [out, in]
-    x_all = torch.randn(INT4_PAIRS_MAX_ROWS, in_features, dtype=BF16)
-    alone = [torch.ops.tokenmill.int4_linear(x_all[r : r + 1], *blocked) for r in range(INT4_PAIRS_MAX_ROWS)]
-    for rows in range(1, INT4_PAIRS_MAX_ROWS + 1):
+    x_all = torch.randn(27, in_features, dtype=BF16)
+    alone = [torch.ops.tokenmill.int4_linear(x_all[r : r + 1], *blocked) for r in range(27)]
+    assert weight.max_rows == INT4_BLOCKED_MAX_ROWS == 16
+    for rows in [*range(1, 18), 27]:
         x = x_all[:rows]
         got = torch.ops.tokenmill.int4_linear(x, *blocked)  # [rows, out]
         assert got.dtype == BF16 and got.shape == (rows, out_features)
-        assert torch.equal(weight.linear(x, None), got)  # the module's choice
+        if rows <= INT4_BLOCKED_MAX_ROWS:
+            assert torch.equal(weight.linear(x, None), got)  # the module's choice
         for r in range(rows):
             assert torch.equal(got[r : r + 1], alone[r]), (rows, r)
         exact = x.double() @ exact_weight.T
@@ -86,23 +89,25 @@ def test_int4_weights_use_the_blocked_copy_for_small_bfloat16_steps_only() -> No
     weight = Int4Weight(packed, scales, mins)
     blocked = weight.blocked()
     assert blocked is not None and weight.blocked() is blocked  # made once
-    assert weight.triple(INT4_PAIRS_MAX_ROWS, BF16) is blocked
-    assert weight.triple(INT4_PAIRS_MAX_ROWS + 1, BF16) == (packed, scales, mins)
+    assert weight.max_rows == INT4_BLOCKED_MAX_ROWS
+    assert weight.triple(INT4_BLOCKED_MAX_ROWS, BF16) is blocked
+    assert weight.triple(INT4_BLOCKED_MAX_ROWS + 1, BF16) == (packed, scales, mins)
     assert weight.triple(1, torch.float32) == (packed, scales, mins)
-    x = torch.randn(INT4_PAIRS_MAX_ROWS + 1, 64, dtype=BF16)
-    # Above 8 rows: the row layout's kernels, whose values are rounded to bfloat16 first.
+    x = torch.randn(INT4_BLOCKED_MAX_ROWS + 1, 64, dtype=BF16)
+    # Above its rows: the row layout's kernels, whose values are rounded to bfloat16 first.
     assert torch.equal(weight.linear(x, None), int4_linear(x, packed, scales, mins, None))
     uneven = Int4Weight(*quantize_int4(torch.randn(40, 64)))
     assert uneven.blocked() is None and uneven.triple(1, BF16)[0] is uneven.packed
+    assert uneven.max_rows == INT4_PAIRS_MAX_ROWS  # the level-sums kernel's steps
 
 
 @needs_kernel
 def test_the_blocked_kernel_refuses_what_it_does_not_take() -> None:
     packed, scales, mins = quantize_int4(torch.randn(32, 64))
     blocked = block_int4_layout(packed, scales, mins)
-    x = torch.randn(INT4_PAIRS_MAX_ROWS + 1, 64, dtype=BF16)
-    with pytest.raises(RuntimeError, match="takes 1 to 8 rows, got 9"):
-        torch.ops.tokenmill.int4_linear(x, *blocked)
+    x = torch.randn(2, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="takes at least one row, got 0"):
+        torch.ops.tokenmill.int4_linear(x[:0], *blocked)
     with pytest.raises(RuntimeError, match="runs on the blocked kernel only"):
         torch.ops.tokenmill.int4_linear(x[:1], *blocked, METHOD_ROWS)
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
@@ -142,8 +147,9 @@ def test_gguf_level_groups_take_the_blocked_kernel_with_their_exact_values(five:
     packed, scales, mins, high = weight.kernel_tensors()
     assert packed.dim() == 3 and (high is not None) == five
     exact_weight = weight.dequantize().double()  # [out, in]
-    x_all = torch.randn(INT4_PAIRS_MAX_ROWS, 96, dtype=BF16)
-    for rows in range(1, INT4_PAIRS_MAX_ROWS + 1):
+    assert weight.max_rows == INT4_BLOCKED_MAX_ROWS
+    x_all = torch.randn(INT4_BLOCKED_MAX_ROWS, 96, dtype=BF16)
+    for rows in range(1, INT4_BLOCKED_MAX_ROWS + 1):
         x = x_all[:rows]
         got = weight.linear(x)
         for r in range(rows):
@@ -151,9 +157,12 @@ def test_gguf_level_groups_take_the_blocked_kernel_with_their_exact_values(five:
         exact = x.double() @ exact_weight.T
         magnitude = x.double().abs() @ exact_weight.abs().T
         assert bool(((got.double() - exact).abs() <= 2**-8 * exact.abs() + 2**-16 * magnitude).all()), rows
+        if rows > INT4_PAIRS_MAX_ROWS:
+            continue
         pairs = torch.ops.tokenmill.level_sums_linear(
             x, weight.packed, weight.scales, weight.mins, weight.high
         )
         assert torch.allclose(got.float(), pairs.float(), rtol=2**-7, atol=1e-3)
     uneven = level_weight(40, 64, five, seed=8)
     assert uneven.kernel_tensors()[0] is uneven.packed  # 40 outputs: the row layout
+    assert uneven.max_rows == INT4_PAIRS_MAX_ROWS

@@ -33,7 +33,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 at::Tensor batch_invariant_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t method);
-// int4_blocked_cpu.cpp: x [rows, in] bfloat16 (1..8 rows) times an int4 weight in the blocked layout
+// int4_blocked_cpu.cpp: x [rows, in] bfloat16 (1 or more rows) times an int4 weight in the blocked layout
 // (layers/int4.py block_int4_layout; float32 scales and `high`: level_sums.py's groups); [rows, blocks * 16]
 // bfloat16. Callers check int4_blocked_available().
 bool int4_blocked_available();

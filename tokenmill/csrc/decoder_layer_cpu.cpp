@@ -28,7 +28,7 @@
 //   hidden       [S, hidden] bfloat16 or float32, contiguous: the embeddings (overwritten)
 //   weights      per layer, in order: [input_norm, post_attention_norm, then the weights of qkv, o,
 //                gate_up, down] in hidden's dtype; for bfloat16 the projections' (packed, scales,
-//                mins), int4 in layers/int4.py's format or, for bfloat16 steps of up to 8 rows, its
+//                mins), int4 in layers/int4.py's format or, for bfloat16 steps of up to 16 rows, its
 //                blocked copy (Int4Weight.blocked; not with row_independent) (14 tensors; float32 hidden too), or their
 //                oneDNN-packed weights (torch.ops.mkldnn._reorder_linear_weight; 6 tensors), or for
 //                float32 their panels [ceil(out / 16), in, 16] (f32_gemm_cpu.cpp; 6 tensors); then, for layers with

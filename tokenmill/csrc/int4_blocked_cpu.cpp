@@ -1,4 +1,4 @@
-// The int4 linear layer for steps of 1 to 8 bfloat16 rows on CPUs with AVX512-BF16 (no AMX tiles): the
+// The int4 linear layer for steps of a few bfloat16 rows on CPUs with AVX512-BF16 (no AMX tiles): the
 // "blocked" kernel, over a copy of layers/int4.py's weight laid out for it (layers/int4.py
 // block_int4_layout).
 //
@@ -13,7 +13,7 @@
 // What it computes: per output o and row x, sum over groups g of d_g * sum_j(x_j * q_j) + m_g * sum_j(x_j),
 // the exact weight values d*q + m (real arithmetic) with float32 accumulation, as the level-sums kernel
 // (int4_pairs_cpu.cpp) does, with another summation order. Each row's bits do not depend on the other
-// rows of the step or their number (one kernel for 1..8 rows), so a speculative step verifying drafts
+// rows of the step or their number (one kernel for every row count), so a speculative step verifying drafts
 // computes the bits of decoding one token at a time.
 //
 // Why: the level-sums kernel keeps an output's sums across the lanes of a vector. Per pair of groups and
@@ -32,6 +32,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -50,7 +51,7 @@ constexpr int64_t kBlockOutputs = 16;
 constexpr int64_t kStepBytes = 32;                     // 4 features x 16 outputs, two levels a byte
 constexpr int64_t kStepsPerGroup = kGroup / 4;         // 8
 constexpr int64_t kBlockGroupBytes = kStepsPerGroup * kStepBytes;  // 256
-constexpr int64_t kMaxBlockedRows = 8;
+constexpr int kChunkRows = 8;  // rows a pass over a block keeps in registers (two vectors each)
 
 #ifdef TOKENMILL_GROUP_AVX512
 
@@ -70,74 +71,87 @@ inline __m512 load_block_constants(const c10::Half* p) {
 }
 inline __m512 load_block_constants(const float* p) { return _mm512_loadu_ps(p); }
 
-// out[r, 16 b .. 16 b + 16) for ROWS rows and blocks b in [begin, end). Per row one vector of group
-// sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass, for more
-// independent chains, measured slower at every row count: 37-43 vs 35 us on SmolLM2's gate_up at one
+// out[r, 16 b .. 16 b + 16) for ROWS rows (x, sums and out start at the first of them) and block b. Per row one
+// vector of group sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass,
+// for more independent chains, measured slower at every row count: 37-43 vs 35 us on SmolLM2's gate_up at one
 // and two rows; one stream each thread prefetches well.)
 template <int ROWS, typename Scale, bool FIVE>
 void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
                   const Scale* scales, const Scale* mins, const uint32_t* high, c10::BFloat16* out,
-                  int64_t out_stride, int64_t begin, int64_t end) {
+                  int64_t out_stride, int64_t block) {
   const __m512i fifth_bit = _mm512_set1_epi16(16);
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const __m512i bias_128 = _mm512_set1_epi16(0x4300);
   const __m512 minus_128 = _mm512_set1_ps(-128.0f);
-  for (int64_t block = begin; block < end; ++block) {
-    const uint8_t* block_bytes = packed + block * groups * kBlockGroupBytes;
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 sum[ROWS];
-      for (int r = 0; r < ROWS; ++r) sum[r] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < kStepsPerGroup; ++t) {
-        const uint8_t* bytes = block_bytes + g * kBlockGroupBytes + t * kStepBytes;
-        if ((t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
-        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-        __m512i low_words = _mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);  // (w & 0x0F) | 0x4300
-        __m512i high_words = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
-        if constexpr (FIVE) {  // levels 16..31: 128 + q stays exact
-          const uint32_t* bits = high + (block * groups + g) * kBlockOutputs + 2 * t;
-          low_words = _mm512_mask_add_epi16(low_words, __mmask32(bits[0]), low_words, fifth_bit);
-          high_words = _mm512_mask_add_epi16(high_words, __mmask32(bits[1]), high_words, fifth_bit);
-        }
-        const __m512bh low = (__m512bh)low_words;
-        const __m512bh high = (__m512bh)high_words;
-        const int64_t feature = g * kGroup + 4 * t;
-        for (int r = 0; r < ROWS; ++r) {
-          int32_t pair_low, pair_high;  // features (4t, 4t + 1) and (4t + 2, 4t + 3) of row r
-          std::memcpy(&pair_low, x + r * x_stride + feature, sizeof(pair_low));
-          std::memcpy(&pair_high, x + r * x_stride + feature + 2, sizeof(pair_high));
-          sum[r] = _mm512_dpbf16_ps(sum[r], low, (__m512bh)_mm512_set1_epi32(pair_low));
-          sum[r] = _mm512_dpbf16_ps(sum[r], high, (__m512bh)_mm512_set1_epi32(pair_high));
-        }
+  const uint8_t* block_bytes = packed + block * groups * kBlockGroupBytes;
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 sum[ROWS];
+    for (int r = 0; r < ROWS; ++r) sum[r] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kStepsPerGroup; ++t) {
+      const uint8_t* bytes = block_bytes + g * kBlockGroupBytes + t * kStepBytes;
+      if ((t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
+      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+      __m512i low_words = _mm512_ternarylogic_epi32(words, low_nibble, bias_128, 0xEA);  // (w & 0x0F) | 0x4300
+      __m512i high_words = _mm512_or_si512(_mm512_srli_epi16(words, 4), bias_128);
+      if constexpr (FIVE) {  // levels 16..31: 128 + q stays exact
+        const uint32_t* bits = high + (block * groups + g) * kBlockOutputs + 2 * t;
+        low_words = _mm512_mask_add_epi16(low_words, __mmask32(bits[0]), low_words, fifth_bit);
+        high_words = _mm512_mask_add_epi16(high_words, __mmask32(bits[1]), high_words, fifth_bit);
       }
-      const int64_t at = (block * groups + g) * kBlockOutputs;
-      const __m512 d = load_block_constants(scales + at);
-      const __m512 m = _mm512_fmadd_ps(minus_128, d, load_block_constants(mins + at));
+      const __m512bh low = (__m512bh)low_words;
+      const __m512bh high = (__m512bh)high_words;
+      const int64_t feature = g * kGroup + 4 * t;
       for (int r = 0; r < ROWS; ++r) {
-        acc[r] = _mm512_fmadd_ps(sum[r], d, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
+        int32_t pair_low, pair_high;  // features (4t, 4t + 1) and (4t + 2, 4t + 3) of row r
+        std::memcpy(&pair_low, x + r * x_stride + feature, sizeof(pair_low));
+        std::memcpy(&pair_high, x + r * x_stride + feature + 2, sizeof(pair_high));
+        sum[r] = _mm512_dpbf16_ps(sum[r], low, (__m512bh)_mm512_set1_epi32(pair_low));
+        sum[r] = _mm512_dpbf16_ps(sum[r], high, (__m512bh)_mm512_set1_epi32(pair_high));
       }
     }
+    const int64_t at = (block * groups + g) * kBlockOutputs;
+    const __m512 d = load_block_constants(scales + at);
+    const __m512 m = _mm512_fmadd_ps(minus_128, d, load_block_constants(mins + at));
     for (int r = 0; r < ROWS; ++r) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + block * kBlockOutputs),
-                          (__m256i)_mm512_cvtneps_pbh(acc[r]));
+      acc[r] = _mm512_fmadd_ps(sum[r], d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
     }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + block * kBlockOutputs),
+                        (__m256i)_mm512_cvtneps_pbh(acc[r]));
   }
 }
 
 template <int ROWS, typename Scale, bool FIVE>
 void blocked_dispatch(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
                       const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
-                      c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
+                      c10::BFloat16* out, int64_t out_stride, int64_t block) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
       blocked_dispatch<ROWS - 1, Scale, FIVE>(rows, x, x_stride, sums, groups, packed, scales, mins, high, out,
-                                              out_stride, begin, end);
+                                              out_stride, block);
       return;
     }
   }
-  blocked_rows<ROWS, Scale, FIVE>(x, x_stride, sums, groups, packed, scales, mins, high, out, out_stride, begin, end);
+  blocked_rows<ROWS, Scale, FIVE>(x, x_stride, sums, groups, packed, scales, mins, high, out, out_stride, block);
+}
+
+// Blocks [begin, end) for all `rows` rows: per block, the rows in chunks of kChunkRows (the block's weights,
+// a few KB, decoded again per chunk from the first level of cache).
+template <typename Scale, bool FIVE>
+void blocked_blocks(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
+                    const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
+                    c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
+  for (int64_t block = begin; block < end; ++block) {
+    for (int64_t first = 0; first < rows; first += kChunkRows) {
+      blocked_dispatch<kChunkRows, Scale, FIVE>(std::min<int64_t>(kChunkRows, rows - first), x + first * x_stride,
+                                                x_stride, sums + first * groups, groups, packed, scales, mins, high,
+                                                out + first * out_stride, out_stride, block);
+    }
+  }
 }
 
 #endif  // TOKENMILL_GROUP_AVX512
@@ -174,7 +188,7 @@ bool int4_blocked_available() {
 #endif
 }
 
-// x [rows, in] bfloat16 (1..8 rows, contiguous features) times the weight in the blocked layout; [rows,
+// x [rows, in] bfloat16 (1 or more rows, contiguous features) times the weight in the blocked layout; [rows,
 // blocks * 16] bfloat16.
 at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& mins, const std::optional<at::Tensor>& high) {
@@ -183,8 +197,7 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "the int4 blocked kernel takes a bfloat16 CPU tensor x [rows, in] with contiguous features");
   const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxBlockedRows, "the int4 blocked kernel takes 1 to ", kMaxBlockedRows,
-              " rows, got ", rows);
+  TORCH_CHECK(rows >= 1, "the int4 blocked kernel takes at least one row, got ", rows);
   TORCH_CHECK(x.size(1) == groups * kGroup, "x has ", x.size(1), " features, the weight ", groups * kGroup);
   const int64_t out_features = blocks * kBlockOutputs;
   at::Tensor out = at::empty({rows, out_features}, x.options());
@@ -201,11 +214,10 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
     using Scale = std::remove_const_t<std::remove_pointer_t<decltype(dp)>>;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       if (hp != nullptr)
-        blocked_dispatch<kMaxBlockedRows, Scale, true>(rows, xp, x_stride, sp, groups, wp, dp, mp, hp, op,
-                                                       out_features, begin, end);
+        blocked_blocks<Scale, true>(rows, xp, x_stride, sp, groups, wp, dp, mp, hp, op, out_features, begin, end);
       else
-        blocked_dispatch<kMaxBlockedRows, Scale, false>(rows, xp, x_stride, sp, groups, wp, dp, mp, nullptr, op,
-                                                        out_features, begin, end);
+        blocked_blocks<Scale, false>(rows, xp, x_stride, sp, groups, wp, dp, mp, nullptr, op, out_features, begin,
+                                     end);
     });
   };
   if (scales.scalar_type() == at::kFloat)

@@ -404,7 +404,7 @@ bool tiles_available(int64_t in) {
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t method) {
-  if (packed.dim() == 3) {  // the blocked layout (int4_blocked_cpu.cpp): its kernel only, 1 to 8 bfloat16 rows
+  if (packed.dim() == 3) {  // the blocked layout (int4_blocked_cpu.cpp): its kernel only, bfloat16 rows
     TORCH_CHECK(method == kAuto, "an int4 weight in the blocked layout runs on the blocked kernel only (method 0), got ",
                 method);
     return ops::int4_linear_blocked(x, packed, scales, mins, std::nullopt);

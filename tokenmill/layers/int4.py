@@ -14,9 +14,10 @@ exactly in float32; the rest of this paragraph is about bfloat16 rows.
 each packed byte once per call. On CPUs with AVX512-BF16 steps of 1 to 8 rows (below the tiles) take
 the level-sums kernel (``csrc/int4_pairs_cpu.cpp``: per group ``d * sum(x q) + m * sum(x)``, two groups
 per vector), which computes with the exact values ``d * q + m``; where the CPU has no AMX tiles, a
-weight whose outputs are a multiple of 16 takes those steps on the blocked kernel instead
-(``csrc/int4_blocked_cpu.cpp``: the same values over a copy laid out for it, :func:`block_int4_layout`,
-16 outputs a vector; on SmolLM2's shapes 1.2-1.4x the level sums' speed at one row, 1.5-1.6x at five); the row kernel (one bfloat16 dot
+weight whose outputs are a multiple of 16 takes those steps, and those up to ``INT4_BLOCKED_MAX_ROWS``
+rows, on the blocked kernel instead (``csrc/int4_blocked_cpu.cpp``: the same values over a copy laid out
+for it, :func:`block_int4_layout`, 16 outputs a vector; on SmolLM2's shapes 1.2-1.4x the level sums'
+speed at one row, 1.5-1.6x at five); the row kernel (one bfloat16 dot
 product per row and group; method 1, the deterministic mode's) and on CPUs with AMX the tile kernel
 (each decoded 16 x 32 weight tile multiplied with 16 rows per tile product, from ``kTilesFromRows``
 rows) compute with ``round_bf16(d * q + m)`` (exact in float32 before the rounding), the bfloat16
@@ -43,6 +44,11 @@ GROUP_SIZE = 32
 # stays ahead of oneDNN up to about 128 rows.
 INT4_MAX_ROWS = 8
 INT4_MAX_ROWS_WITH_TILES = 128
+# Without AMX, where the blocked kernel runs (csrc/int4_blocked_cpu.cpp: 16 outputs a vector, rows in
+# passes of 8 over each block's weights), it takes steps of up to this many rows: SmolLM2's four
+# projections at 16 rows 187 us against oneDNN's 300 on a 2-core Zen 5 (1.2x at 32, even at 64);
+# on a Zen 4, whose 512-bit instructions take two passes, about even at 16 (docs/performance.md).
+INT4_BLOCKED_MAX_ROWS = 16
 # float32 rows (csrc/group_gemm_f32_cpu.cpp) against float32 panels, SmolLM2's projections and head
 # on one thread of a loaded Zen 4 on the avx2 path: 2.1x faster at one row, even at four.
 INT4_FLOAT32_MAX_ROWS = 3
@@ -115,7 +121,7 @@ def int4_has_tiles() -> bool:
 def int4_blocked_available() -> bool:
     """Whether the blocked kernel is built here (AVX512-BF16) and takes small steps: no AMX tiles,
     which take steps from ``kTilesFromRows`` rows (the blocked kernel is for every step of 1 to
-    ``INT4_PAIRS_MAX_ROWS`` rows, so that a row's bits never depend on the step's row count)."""
+    ``INT4_BLOCKED_MAX_ROWS`` rows, so that a row's bits never depend on the step's row count there)."""
     _require_kernel()
     return bool(torch.ops.tokenmill.int4_blocked_available()) and not int4_has_tiles()
 
@@ -159,9 +165,15 @@ def blocked_copy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`block_int4_layout` of a weight whose small bfloat16 steps the blocked kernel takes (it runs
     here, :func:`int4_blocked_available`, and the outputs are a multiple of 16), else None."""
-    if packed.shape[0] % BLOCK_OUTPUTS or not int4_blocked_available():
+    if not blocked_takes(packed.shape[0]):
         return None
     return block_int4_layout(packed, scales, mins)
+
+
+def blocked_takes(out_features: int) -> bool:
+    """Whether the blocked kernel runs here and takes a weight with ``out_features`` outputs (a multiple
+    of 16): then it takes bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows."""
+    return out_features % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_available()
 
 
 def block_fifth_bits(high: torch.Tensor) -> torch.Tensor:
@@ -193,9 +205,15 @@ def int4_pairs_available() -> bool:
     return bool(torch.ops.tokenmill.int4_pairs_available())
 
 
-def int4_max_rows() -> int:
-    """The most rows a step sends through the int4 kernels on this machine (see ``INT4_MAX_ROWS``)."""
-    return INT4_MAX_ROWS_WITH_TILES if int4_has_tiles() else INT4_MAX_ROWS
+def int4_max_rows(out_features: int) -> int:
+    """The most rows a step sends through the int4 kernels on this machine for a weight with
+    ``out_features`` outputs (see ``INT4_MAX_ROWS``): the tiles', the blocked kernel's where it takes
+    the weight (:func:`blocked_copy`), else the row kernels'."""
+    if int4_has_tiles():
+        return INT4_MAX_ROWS_WITH_TILES
+    if blocked_takes(out_features):
+        return INT4_BLOCKED_MAX_ROWS
+    return INT4_MAX_ROWS
 
 
 def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -226,15 +244,20 @@ class Int4Weight:
     packed: torch.Tensor  # [out_features, in_features / 2] uint8
     scales: torch.Tensor  # [out_features, in_features / 32] float16
     mins: torch.Tensor  # [out_features, in_features / 32] float16
-    max_rows: int = field(default_factory=int4_max_rows)
+    # The most rows a bfloat16 step takes the int4 kernels for (default: :func:`int4_max_rows`).
+    max_rows: int = 0
     # The blocked kernel's copy (:meth:`blocked`), made on first use.
     _blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )
 
+    def __post_init__(self) -> None:
+        if self.max_rows <= 0:
+            self.max_rows = int4_max_rows(self.packed.shape[0])
+
     def blocked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(packed, scales, mins)`` in the blocked layout for bfloat16 steps of 1 to
-        ``INT4_PAIRS_MAX_ROWS`` rows where that kernel runs (:func:`int4_blocked_available`) and the
+        ``INT4_BLOCKED_MAX_ROWS`` rows where that kernel runs (:func:`int4_blocked_available`) and the
         outputs are a multiple of 16, else None (those steps take the level-sums or row kernel)."""
         if self._blocked is None:
             self._blocked = blocked_copy(self.packed, self.scales, self.mins)
@@ -245,7 +268,7 @@ class Int4Weight:
         the blocked copy for bfloat16 steps it takes, else the row layout."""
         if (
             dtype == torch.bfloat16
-            and rows <= INT4_PAIRS_MAX_ROWS
+            and rows <= INT4_BLOCKED_MAX_ROWS
             and (blocked := self.blocked()) is not None
         ):
             return blocked

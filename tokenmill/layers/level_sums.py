@@ -3,7 +3,7 @@ Q5_0 layer's 5-bit levels.
 
 Both are, per group of 32 weights, ``scale * q + min`` with small levels ``q``, which the level-sums
 kernel (``csrc/int4_pairs_cpu.cpp``, the op ``level_sums_linear``: AVX512-BF16, 1 to
-``INT4_PAIRS_MAX_ROWS`` bfloat16 rows) multiplies as ``scale * sum(x q) + min * sum(x)``: with the
+``INT4_PAIRS_MAX_ROWS`` bfloat16 rows; the blocked kernel, below, up to ``INT4_BLOCKED_MAX_ROWS``) multiplies as ``scale * sum(x q) + min * sum(x)``: with the
 exact values, from the levels' bits.
 
 - Q4_K stores super-blocks of 256 weights: a float16 ``d`` and ``dmin``, and per sub-block of 32 a
@@ -15,7 +15,7 @@ exact values, from the levels' bits.
 - Q5_0 is ``d (q - 16)``, q in 0..31, one float16 ``d`` per group: ``scale = d``, ``min = -16 d``
   (float16), and the fifth bit of each level in a 32-bit word per group (``high``). Such a layer is
   found from its bfloat16 values (``q8.exact_small_level_groups``, whose 8-bit copy it replaces):
-  5.5 bits a weight instead of 8.5, and from 1 up to 8 rows instead of 1.
+  5.5 bits a weight instead of 8.5, and from 1 up to 8 (blocked: 16) rows instead of 1.
 
 Without AMX tiles, a layer whose outputs are a multiple of 16 multiplies on the blocked kernel instead
 (``csrc/int4_blocked_cpu.cpp``, through the same op) over a copy made on first use
@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.layers.int4 import INT4_PAIRS_MAX_ROWS, block_fifth_bits, blocked_copy
+from tokenmill.layers.int4 import (
+    INT4_BLOCKED_MAX_ROWS,
+    INT4_PAIRS_MAX_ROWS,
+    block_fifth_bits,
+    blocked_copy,
+    blocked_takes,
+)
 
 GROUP_SIZE = 32
 
@@ -45,11 +51,17 @@ class LevelWeight:
     scales: torch.Tensor  # [out_features, in_features / 32] float32 (Q4_K) or float16 (Q5_0)
     mins: torch.Tensor  # [out_features, in_features / 32] the scales' dtype
     high: torch.Tensor | None = None  # [out_features, in_features / 32] int32: the fifth bits (Q5_0)
-    max_rows: int = INT4_PAIRS_MAX_ROWS
+    # Default: the blocked kernel's rows where it takes the weight, else the level-sums kernel's.
+    max_rows: int = 0
     # The blocked kernel's copy (:meth:`kernel_tensors`), made on first use.
     _blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
         default=None, repr=False, compare=False
     )
+
+    def __post_init__(self) -> None:
+        if self.max_rows <= 0:
+            blocked = blocked_takes(self.packed.shape[0])
+            self.max_rows = INT4_BLOCKED_MAX_ROWS if blocked else INT4_PAIRS_MAX_ROWS
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows."""

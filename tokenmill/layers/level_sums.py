@@ -3,8 +3,8 @@ Q5_0 layer's 5-bit levels.
 
 Both are, per group of 32 weights, ``scale * q + min`` with small levels ``q``, which the level-sums
 kernel (``csrc/int4_pairs_cpu.cpp``, the op ``level_sums_linear``: AVX512-BF16, 1 to
-``INT4_PAIRS_MAX_ROWS`` bfloat16 rows; the blocked kernel, below, up to ``INT4_BLOCKED_MAX_ROWS``) multiplies as ``scale * sum(x q) + min * sum(x)``: with the
-exact values, from the levels' bits.
+``INT4_PAIRS_MAX_ROWS`` bfloat16 rows; the blocked kernel, below, up to ``INT4_BLOCKED_MAX_ROWS``)
+multiplies as ``scale * sum(x q) + min * sum(x)``: with the exact values, from the levels' bits.
 
 - Q4_K stores super-blocks of 256 weights: a float16 ``d`` and ``dmin``, and per sub-block of 32 a
   6-bit scale ``sc`` and minimum ``m``; a weight is ``d sc q - dmin m``. So ``scale = d * sc`` and

@@ -209,7 +209,7 @@ def int4_pairs_available() -> bool:
 def int4_max_rows(out_features: int) -> int:
     """The most rows a step sends through the int4 kernels on this machine for a weight with
     ``out_features`` outputs (see ``INT4_MAX_ROWS``): the tiles', the blocked kernel's where it takes
-    the weight (:func:`blocked_copy`), else the row kernels'."""
+    the weight (:func:`blocked_takes`), else the row kernels'."""
     if int4_has_tiles():
         return INT4_MAX_ROWS_WITH_TILES
     if blocked_takes(out_features):

@@ -148,8 +148,10 @@ def test_stream_sends_cumulative_chunks_then_done(tiny_server: ServerProcess) ->
     whole = generate(tiny_server, payload)
     events = stream_events(tiny_server, {**payload, "return_logprob": True})
     assert events[-1] == "[DONE]"
+    # How many events there are depends on timing (the handler sends the state as it stands when it
+    # runs; the tiny model may finish first): test_native_generate_stream.py checks one per change.
     chunks = events[:-1]
-    assert len(chunks) >= 2
+    assert chunks
     for before, after in zip(chunks, chunks[1:]):
         assert after["text"].startswith(before["text"])
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]

@@ -2,7 +2,10 @@
 
 For ``n`` from ``max_n`` down to ``min_n``, the last ``n`` tokens are searched for earlier in the
 sequence (prompt and output); the first ``n`` with a match drafts the tokens that followed its latest
-occurrence. Copy-heavy work (editing code, quoting a document, repeating a list) drafts long runs
+occurrence. One pass finds every ``n`` at once: the earlier occurrences of the last token, narrowed
+to those that also match one more token back, ``max_n - 1`` times (the time grows with the sequence's
+length once, not once per ``n`` tried: a 32K-token sequence with no match took ~2.7 ms searched ``n``
+by ``n``). Copy-heavy work (editing code, quoting a document, repeating a list) drafts long runs
 that the target accepts.
 
 Confidence cut: every earlier occurrence of the tail is a vote on what comes next. The drafter's
@@ -46,11 +49,10 @@ class NgramProposer:
         if max_drafts <= 0 or length <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)  # [length]
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            starts = _occurrences(tokens, n)  # [num_matches] start of each earlier occurrence
-            if starts.size:
-                return self._continuation(tokens, starts[-MAX_VOTERS:] + n, max_drafts)
-        return []
+        follow = _longest_tail_occurrences(tokens, self.min_n, min(self.max_n, length - 1))
+        if follow is None:
+            return []
+        return self._continuation(tokens, follow[-MAX_VOTERS:], max_drafts)
 
     def _continuation(self, tokens: np.ndarray, follow: np.ndarray, max_drafts: int) -> list[int]:
         """The drafts after the latest occurrence, cut where the voters' agreement drops below the
@@ -71,10 +73,19 @@ class NgramProposer:
         return drafts
 
 
-def _occurrences(tokens: np.ndarray, n: int) -> np.ndarray:
-    """Start indices of the earlier occurrences of the last ``n`` tokens that have at least one token
-    after them (so never the tail itself), ascending."""
+def _longest_tail_occurrences(tokens: np.ndarray, min_n: int, max_n: int) -> np.ndarray | None:
+    """For the largest ``n`` in ``[min_n, max_n]`` whose last ``n`` tokens occur earlier with at least
+    one token after them (so never the tail itself): the index of the token after each such
+    occurrence, ascending. None when no such ``n`` has one."""
     length = tokens.shape[0]
-    tail = tokens[length - n :]
-    windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
-    return np.flatnonzero((windows == tail).all(axis=1))
+    # [matches] where each occurrence of the last n tokens ends; n = 1 first: the last token's.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    found = ends if min_n <= 1 and ends.size else None
+    for n in range(2, max_n + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            found = ends
+    return None if found is None else found + 1

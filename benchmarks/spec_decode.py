@@ -10,11 +10,12 @@ Two workloads on the bundled SmolLM2-135M-Instruct (greedy, chat completions, st
 on other ShareGPT prompts than these).
 
 Each runs single stream (one request at a time) and ``--concurrency`` at once. For every method it
-prints output tok/s and the ratio to speculation off, mean TTFT, the mean accepted length (tokens a
-verified step yields per request: accepted drafts plus one, from ``/v1/admin/kv``) and whether every
-greedy output equals speculation off's. Concurrent greedy text can move with batch composition even
-without speculation (the method ``off-again`` measures that); ``--deterministic`` serves every method
-in the deterministic mode, where it may not.
+prints output tok/s and the ratio to speculation off, mean TTFT, mean TPOT (time per output token
+after the first: the decoding alone, without the prompt's time) and its ratio, the mean accepted
+length (tokens a verified step yields per request: accepted drafts plus one, from
+``/v1/admin/kv``) and whether every greedy output equals speculation off's. Concurrent greedy text
+can move with batch composition even without speculation (the method ``off-again`` measures that);
+``--deterministic`` serves every method in the deterministic mode, where it may not.
 
     flock /tmp/tokenmill-bench.lock .venv/bin/python benchmarks/spec_decode.py
 """
@@ -80,6 +81,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     }
     sent = time.perf_counter()
     first: float | None = None
+    last = sent
     text, tokens = [], 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -92,9 +94,12 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             for choice in chunk.get("choices", []):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
-                    first = first or time.perf_counter()
+                    last = time.perf_counter()
+                    first = first or last
                     text.append(piece)
-    return {"text": "".join(text), "tokens": tokens, "ttft": (first or time.perf_counter()) - sent}
+    first = first or time.perf_counter()
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return {"text": "".join(text), "tokens": tokens, "ttft": first - sent, "tpot": tpot}
 
 
 async def run_phase(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
@@ -113,9 +118,11 @@ async def run_phase(url: str, prompts: list[str], concurrency: int, max_tokens: 
         after = (await client.get("/v1/admin/kv")).json()
     drafts = after.get("spec_num_drafts", 0) - before.get("spec_num_drafts", 0)
     accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
+    tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     return {
         "tok_s": sum(r["tokens"] for r in results) / elapsed,
         "ttft_ms": 1000 * sum(r["ttft"] for r in results) / len(results),
+        "tpot_ms": 1000 * sum(tpots) / len(tpots) if tpots else float("nan"),
         "accepted_len": 1 + accepted / drafts if drafts else None,
         "texts": [r["text"] for r in results],
     }
@@ -171,7 +178,8 @@ def main() -> None:
                         run_phase(url, chosen, concurrency, args.max_tokens)
                     )
     print(
-        f"{'workload':8} {'phase':14} {'method':8} {'tok/s':>8} {'ratio':>6} {'TTFT ms':>8} {'acc.len':>7} same"
+        f"{'workload':8} {'phase':14} {'method':8} {'tok/s':>8} {'ratio':>6} {'TTFT ms':>8} "
+        f"{'TPOT ms':>8} {'ratio':>6} {'acc.len':>7} same"
     )
     for workload in workloads:
         for phase in ("1 stream", f"{args.concurrency} concurrent")[: 2 if args.concurrency > 1 else 1]:
@@ -179,11 +187,13 @@ def main() -> None:
             for method in methods:
                 row = results[(method, workload, phase)]
                 ratio = row["tok_s"] / base["tok_s"] if base else float("nan")
+                # Decoding alone: how many times faster a token comes after the first.
+                tpot_ratio = base["tpot_ms"] / row["tpot_ms"] if base else float("nan")
                 same = "-" if base is None or method == "off" else str(row["texts"] == base["texts"])
                 acc = "-" if row["accepted_len"] is None else f"{row['accepted_len']:.2f}"
                 print(
                     f"{workload:8} {phase:14} {method:8} {row['tok_s']:8.1f} {ratio:6.2f} "
-                    f"{row['ttft_ms']:8.0f} {acc:>7} {same}"
+                    f"{row['ttft_ms']:8.0f} {row['tpot_ms']:8.2f} {tpot_ratio:6.2f} {acc:>7} {same}"
                 )
 
 

@@ -79,11 +79,8 @@ def test_each_change_sends_the_whole_answer_so_far_and_the_finish_comes_last() -
     )
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert [c["output_ids"] for c in chunks] == [
-        [7],
-        [7, 8, 9],
-        [7, 8, 9, 10],
-    ]  # the unchanged item sent nothing
+    # Three events for four items: the unchanged one sent nothing.
+    assert [c["output_ids"] for c in chunks] == [[7], [7, 8, 9], [7, 8, 9, 10]]
     assert [c["text"] for c in chunks] == ["<7>", "<7><8><9>", "<7><8><9><10>"]
     assert [c["meta_info"]["finish_reason"] for c in chunks] == [None, None, {"type": "length", "length": 4}]
     assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 3, 4]

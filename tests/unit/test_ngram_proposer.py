@@ -60,7 +60,8 @@ def test_drafts_follow_the_stated_rule_on_random_sequences(min_n: int, max_n: in
 
 def test_only_the_latest_occurrences_vote() -> None:
     # The tail [7] occurs 100 times going on with 1, then MAX_VOTERS times going on with 2. Only the
-    # latest MAX_VOTERS vote, so they agree on 2 even at confidence 1.0 (all of them: 2 in 164).
+    # latest MAX_VOTERS vote, so they agree on 2 even at confidence 1.0 (had all voted, 64 of 164
+    # would agree: no draft).
     tokens = [7, 1] * 100 + [7, 2] * MAX_VOTERS + [7]
     proposer = NgramProposer(min_n=1, max_n=1, draft_confidence=1.0)
     assert proposer.propose_one(tokens, 1) == [2] == reference_drafts(tokens, 1, 1, 1.0, 1)

@@ -10,9 +10,9 @@ Two workloads on the bundled SmolLM2-135M-Instruct (greedy, chat completions, st
 on other ShareGPT prompts than these).
 
 Each runs single stream (one request at a time) and ``--concurrency`` at once. For every method it
-prints output tok/s and the ratio to speculation off, mean TTFT, mean TPOT (time per output token
-after the first: the decoding alone, without the prompt's time) and its ratio, the mean accepted
-length (tokens a verified step yields per request: accepted drafts plus one, from
+prints output tok/s and the ratio to speculation off, mean TTFT, mean TPOT (``tokenmill bench``'s:
+time per output token after the first, the decoding alone without the prompt's time) and its ratio,
+the mean accepted length (tokens a verified step yields per request: accepted drafts plus one, from
 ``/v1/admin/kv``) and whether every greedy output equals speculation off's. Concurrent greedy text
 can move with batch composition even without speculation (the method ``off-again`` measures that);
 ``--deterministic`` serves every method in the deterministic mode, where it may not.
@@ -33,6 +33,7 @@ from peers import cpu_name, git_describe
 from peers import tokenmill_server as tokenmill
 
 from tokenmill.bench.datasets import sharegpt_requests
+from tokenmill.bench.metrics import tpot
 from tokenmill.loader import resolve_model
 
 METHODS: dict[str, dict[str, Any] | None] = {
@@ -81,7 +82,6 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     }
     sent = time.perf_counter()
     first: float | None = None
-    last = sent
     text, tokens = [], 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -94,12 +94,11 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             for choice in chunk.get("choices", []):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
-                    last = time.perf_counter()
-                    first = first or last
+                    first = first or time.perf_counter()
                     text.append(piece)
-    first = first or time.perf_counter()
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return {"text": "".join(text), "tokens": tokens, "ttft": first - sent, "tpot": tpot}
+    e2e = time.perf_counter() - sent
+    ttft = (first - sent) if first is not None else e2e
+    return {"text": "".join(text), "tokens": tokens, "ttft": ttft, "tpot": tpot(e2e, ttft, tokens)}
 
 
 async def run_phase(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, Any]:

@@ -258,6 +258,28 @@ def test_a_head_trained_here_loads_as_eagle_and_keeps_greedy_outputs(target: Tin
     assert llm.engine.kv_stats()["spec_num_draft_tokens"] > 0
 
 
+def test_answering_stops_at_its_deadline_after_whole_chunks(target: TinyModel, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``generate_samples`` answers in chunks of ``GENERATE_CHUNK`` prompts and starts none once the
+    deadline has passed: the answers it has are the first chunks', in prompt order, each the target's
+    greedy answer."""
+    import types
+
+    from tokenmill.train import eagle
+
+    monkeypatch.setattr(eagle, "GENERATE_CHUNK", 2)
+    readings = iter([0.0, 10.0, 20.0])  # one reading before each chunk
+    monkeypatch.setattr(eagle, "time", types.SimpleNamespace(monotonic=lambda: next(readings)))
+    options = eagle.TrainEagleOptions(model=target.path, out="unused", answer_tokens=4)
+    prompts = PROMPTS + [[3, 4, 5], [6, 7]]  # five prompts: chunks of 2, 2 and 1
+    samples = eagle.generate_samples(options, prompts, deadline=15.0)
+    assert [s.tokens[: s.answer_start] for s in samples] == prompts[:4]  # two chunks, not the third
+    for prompt, sample in zip(prompts, samples):
+        answer = sample.tokens[sample.answer_start :]  # its last token was never fed back
+        assert answer and target.greedy(prompt, 4)[: len(answer)] == answer
+    monkeypatch.setattr(eagle, "time", types.SimpleNamespace(monotonic=lambda: 100.0))
+    assert eagle.generate_samples(options, prompts, deadline=15.0) == []  # past it before the first
+
+
 def test_a_trained_head_drafts_at_serving_what_it_computed_in_training(target: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Training and serving agree: the features ``_FeatureRecorder`` keeps for a prompt are the rows
     the ``eagle`` proposer reads for the same positions (the target's final, normed hidden states),

@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 # The benchmark (benchmarks/spec_decode.py) draws its chat prompts from the start of ShareGPT shuffled
 # with seed 0; training skips that many so the report and the benchmark are on unseen prompts.
 BENCHMARK_PROMPTS = 200
+# The target answers its prompts in chunks of this many, and starts no chunk after GENERATE_SHARE of
+# the time the budget leaves before the held-out report (the rest of it trains).
+GENERATE_CHUNK = 256
+GENERATE_SHARE = 0.4
 
 
 @dataclass
@@ -48,7 +52,7 @@ class TrainEagleOptions:
     model: str
     out: str
     data: str = "sharegpt"
-    num_prompts: int = 1024
+    num_prompts: int = 4096
     num_heldout: int = 16
     max_prompt_tokens: int = 256
     answer_tokens: int = 128
@@ -118,8 +122,16 @@ class Sample:
     answer_start: int
 
 
-def generate_samples(options: TrainEagleOptions, prompts: list[list[int]]) -> list[Sample]:
-    """The target's greedy answers to ``prompts`` and the hidden states of every position."""
+def generate_samples(
+    options: TrainEagleOptions, prompts: list[list[int]], deadline: float | None = None
+) -> list[Sample]:
+    """The target's greedy answers to ``prompts`` and the hidden states of every position.
+
+    Prompts are answered in chunks of ``GENERATE_CHUNK``; once ``deadline`` (``time.monotonic``) has
+    passed no further chunk starts, so a slow machine trains on the prompts it answered in time
+    rather than answering them all and leaving no time to train (the answers are in prompt order)."""
+    from tqdm import tqdm
+
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
@@ -132,23 +144,38 @@ def generate_samples(options: TrainEagleOptions, prompts: list[list[int]]) -> li
     recorder = _FeatureRecorder()
     llm.engine.executor.runner.proposer = recorder  # type: ignore[attr-defined]
     params = SamplingParams(temperature=0.0, max_tokens=options.answer_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     samples = []
-    for output in outputs:
-        rows = recorder.rows[output.request_id]
-        tokens = list(output.prompt_token_ids or []) + list(output.outputs[0].token_ids)
-        length = len(tokens) - 1  # the last sampled token was never fed back
-        if any(p not in rows for p in range(length)):
-            continue
-        features = torch.stack([rows[p] for p in range(length)])  # [length, H]
-        samples.append(Sample(tokens[:length], features, len(output.prompt_token_ids or [])))
+    bar = tqdm(total=len(prompts), unit="prompt", desc="train-eagle answers")
+    for begin in range(0, len(prompts), GENERATE_CHUNK):
+        if deadline is not None and time.monotonic() >= deadline:
+            logger.info(
+                "train-eagle: the answering share of the budget is spent after %d of %d prompts",
+                begin,
+                len(prompts),
+            )
+            break
+        chunk = prompts[begin : begin + GENERATE_CHUNK]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in chunk], params, use_tqdm=False)
+        for output in outputs:
+            rows = recorder.rows.pop(output.request_id)
+            tokens = list(output.prompt_token_ids or []) + list(output.outputs[0].token_ids)
+            length = len(tokens) - 1  # the last sampled token was never fed back
+            if any(p not in rows for p in range(length)):
+                continue
+            features = torch.stack([rows[p] for p in range(length)])  # [length, H]
+            samples.append(Sample(tokens[:length], features, len(output.prompt_token_ids or [])))
+        bar.update(len(chunk))
+    bar.close()
     del llm
     return samples
 
 
-def _cached_samples(options: TrainEagleOptions, prompts: list[list[int]]) -> list[Sample]:
+def _cached_samples(
+    options: TrainEagleOptions, prompts: list[list[int]], deadline: float | None = None
+) -> list[Sample]:
     """``generate_samples``, kept in ``out/samples.pt`` (tensors only, read back with
-    ``weights_only=True``) so a rerun with the same prompts and answer length trains at once."""
+    ``weights_only=True``) so a rerun with the same prompts and answer length trains at once (on the
+    samples the first run had time to answer)."""
     path = os.path.join(options.out, "samples.pt")
     key = [options.model, options.answer_tokens, len(prompts), sum(map(len, prompts))]
     if os.path.isfile(path):
@@ -159,7 +186,7 @@ def _cached_samples(options: TrainEagleOptions, prompts: list[list[int]]) -> lis
                 Sample(t, f.float(), a)
                 for t, f, a in zip(stored["tokens"], stored["features"], stored["answer_start"])
             ]
-    samples = generate_samples(options, prompts)
+    samples = generate_samples(options, prompts, deadline)
     os.makedirs(options.out, exist_ok=True)
     torch.save(
         {
@@ -383,11 +410,12 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
             f"train-eagle trains heads for Llama-family models, not {source.hf_config.model_type!r}"
         )
     train_prompts, heldout = first_turn_prompts(source.load_tokenizer(), options)
-    logger.info("train-eagle: the target answers %d prompts (self-distillation)", len(train_prompts))
-    samples = _cached_samples(options, train_prompts)
-    generated = time.monotonic() - begin
-    # Leave a fifth of the budget (at least two minutes) for saving and the held-out report (two engines).
+    logger.info("train-eagle: the target answers up to %d prompts (self-distillation)", len(train_prompts))
+    # Leave a fifth of the budget (at least two minutes) for saving and the held-out report (two engines);
+    # of the time before that, answering may start chunks in the first GENERATE_SHARE.
     train_deadline = deadline - max(120.0, 0.2 * options.max_minutes * 60)
+    samples = _cached_samples(options, train_prompts, begin + GENERATE_SHARE * (train_deadline - begin))
+    generated = time.monotonic() - begin
     head, d2t, steps = train_head(options, source, samples, train_deadline)
     trained = time.monotonic() - begin - generated
     save_head(head, d2t, source.hf_config, options.out)

@@ -280,6 +280,16 @@ def test_answering_stops_at_its_deadline_after_whole_chunks(target: TinyModel, m
     assert eagle.generate_samples(options, prompts, deadline=15.0) == []  # past it before the first
 
 
+def test_a_budget_with_no_time_to_train_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tokenmill.train.eagle import TrainEagleOptions, train_eagle
+
+    options = TrainEagleOptions(model="smollm2-135m", out=str(tmp_path), max_minutes=2)
+    with pytest.raises(
+        ValueError, match="--max-minutes 2 leaves no time to answer prompts and train: 2 minutes"
+    ):
+        train_eagle(options)
+
+
 def test_a_trained_head_drafts_at_serving_what_it_computed_in_training(target: TinyModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Training and serving agree: the features ``_FeatureRecorder`` keeps for a prompt are the rows
     the ``eagle`` proposer reads for the same positions (the target's final, normed hidden states),

@@ -403,6 +403,15 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
 
     begin = time.monotonic()
     deadline = begin + options.max_minutes * 60
+    # Leave a fifth of the budget (at least two minutes) for saving and the held-out report (two engines);
+    # of the time before that, answering may start chunks in the first GENERATE_SHARE.
+    report_seconds = max(120.0, 0.2 * options.max_minutes * 60)
+    if options.max_minutes * 60 <= report_seconds:
+        raise ValueError(
+            f"--max-minutes {options.max_minutes:g} leaves no time to answer prompts and train: "
+            f"{report_seconds / 60:g} minutes of it are kept for the held-out report"
+        )
+    train_deadline = deadline - report_seconds
     torch.manual_seed(options.seed)
     source = resolve_model(options.model)
     if getattr(source.hf_config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -411,9 +420,6 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
         )
     train_prompts, heldout = first_turn_prompts(source.load_tokenizer(), options)
     logger.info("train-eagle: the target answers up to %d prompts (self-distillation)", len(train_prompts))
-    # Leave a fifth of the budget (at least two minutes) for saving and the held-out report (two engines);
-    # of the time before that, answering may start chunks in the first GENERATE_SHARE.
-    train_deadline = deadline - max(120.0, 0.2 * options.max_minutes * 60)
     samples = _cached_samples(options, train_prompts, begin + GENERATE_SHARE * (train_deadline - begin))
     generated = time.monotonic() - begin
     head, d2t, steps = train_head(options, source, samples, train_deadline)

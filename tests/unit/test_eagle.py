@@ -258,10 +258,10 @@ def test_a_head_trained_here_loads_as_eagle_and_keeps_greedy_outputs(target: Tin
     assert llm.engine.kv_stats()["spec_num_draft_tokens"] > 0
 
 
-def test_answering_stops_at_its_deadline_after_whole_chunks(target: TinyModel, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_answering_stops_at_its_deadline_after_whole_chunks(target: TinyModel, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``generate_samples`` answers in chunks of ``GENERATE_CHUNK`` prompts and starts none once the
     deadline has passed: the answers it has are the first chunks', in prompt order, each the target's
-    greedy answer."""
+    greedy answer. No answer at all is an error, and nothing is cached for a rerun."""
     import types
 
     from tokenmill.train import eagle
@@ -278,6 +278,10 @@ def test_answering_stops_at_its_deadline_after_whole_chunks(target: TinyModel, m
         assert answer and target.greedy(prompt, 4)[: len(answer)] == answer
     monkeypatch.setattr(eagle, "time", types.SimpleNamespace(monotonic=lambda: 100.0))
     assert eagle.generate_samples(options, prompts, deadline=15.0) == []  # past it before the first
+    cached = eagle.TrainEagleOptions(model=target.path, out=str(tmp_path), answer_tokens=4)
+    with pytest.raises(ValueError, match="no prompt was answered within the answering share"):
+        eagle._cached_samples(cached, prompts, deadline=15.0)
+    assert not os.path.exists(tmp_path / "samples.pt")
 
 
 def test_a_budget_with_no_time_to_train_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -187,6 +187,11 @@ def _cached_samples(
                 for t, f, a in zip(stored["tokens"], stored["features"], stored["answer_start"])
             ]
     samples = generate_samples(options, prompts, deadline)
+    if not samples:  # nothing to train on; and nothing cached that a longer rerun would reuse
+        raise ValueError(
+            "train-eagle: no prompt was answered within the answering share of --max-minutes "
+            "(loading the model took it all): give it more minutes"
+        )
     os.makedirs(options.out, exist_ok=True)
     torch.save(
         {
@@ -402,16 +407,16 @@ def train_eagle(options: TrainEagleOptions) -> dict[str, Any]:
     from tokenmill.loader import resolve_model
 
     begin = time.monotonic()
-    deadline = begin + options.max_minutes * 60
+    budget = options.max_minutes * 60
     # Leave a fifth of the budget (at least two minutes) for saving and the held-out report (two engines);
     # of the time before that, answering may start chunks in the first GENERATE_SHARE.
-    report_seconds = max(120.0, 0.2 * options.max_minutes * 60)
-    if options.max_minutes * 60 <= report_seconds:
+    report_seconds = max(120.0, 0.2 * budget)
+    if budget <= report_seconds:
         raise ValueError(
             f"--max-minutes {options.max_minutes:g} leaves no time to answer prompts and train: "
             f"{report_seconds / 60:g} minutes of it are kept for the held-out report"
         )
-    train_deadline = deadline - report_seconds
+    train_deadline = begin + budget - report_seconds
     torch.manual_seed(options.seed)
     source = resolve_model(options.model)
     if getattr(source.hf_config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):

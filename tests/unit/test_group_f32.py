@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tokenmill.layers.int4 import (
+    INT4_BLOCKED_F32_MAX_ROWS,
     INT4_FLOAT32_MAX_ROWS,
     dequantize_int4_float32,
+    int4_blocked_f32_lanes,
     int4_linear,
     quantize_int4,
 )
@@ -94,10 +96,14 @@ def test_a_float32_layer_on_the_int4_grid_keeps_an_int4_copy_and_others_do_not()
     before = layer.weight.data.clone()
     assert layer.quantize_weights("int4", lossless_only=True) is None
     assert torch.equal(layer.weight.data, before) and layer.int4_weight is not None
-    x = torch.randn(INT4_FLOAT32_MAX_ROWS, 576)
-    assert layer.int4_weight.takes(x) and not layer.int4_weight.takes(
-        torch.randn(INT4_FLOAT32_MAX_ROWS + 1, 576)
+    # Up to the blocked kernel's rows (96 outputs: a multiple of 16), else the row kernel's.
+    top = (
+        INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()]
+        if int4_blocked_f32_lanes()
+        else INT4_FLOAT32_MAX_ROWS
     )
+    x = torch.randn(top, 576)
+    assert layer.int4_weight.takes(x) and not layer.int4_weight.takes(torch.randn(top + 1, 576))
     assert torch.allclose(layer(x), x @ before.T, rtol=1e-5, atol=1e-5)
     off_grid = RowParallelLinear(576, 96, bias=False, dtype=torch.float32)
     off_grid.weight.data.copy_(torch.randn(96, 576))

@@ -92,7 +92,7 @@ def test_int4_weights_use_the_blocked_copy_for_small_bfloat16_steps_only() -> No
     assert weight.max_rows == INT4_BLOCKED_MAX_ROWS
     assert weight.triple(INT4_BLOCKED_MAX_ROWS, BF16) is blocked
     assert weight.triple(INT4_BLOCKED_MAX_ROWS + 1, BF16) == (packed, scales, mins)
-    assert weight.triple(1, torch.float32) == (packed, scales, mins)
+    assert weight.triple(weight.float32_max_rows + 1, torch.float32) == (packed, scales, mins)
     x = torch.randn(INT4_BLOCKED_MAX_ROWS + 1, 64, dtype=BF16)
     # Above its rows: the row layout's kernels, whose values are rounded to bfloat16 first.
     assert torch.equal(weight.linear(x, None), int4_linear(x, packed, scales, mins, None))
@@ -112,8 +112,8 @@ def test_the_blocked_kernel_refuses_what_it_does_not_take() -> None:
         torch.ops.tokenmill.int4_linear(x[:1], *blocked, METHOD_ROWS)
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
         torch.ops.tokenmill.int4_linear(x[:1, :32], *blocked)
-    with pytest.raises(RuntimeError, match="takes a bfloat16 CPU tensor"):
-        torch.ops.tokenmill.int4_linear(x[:1].float(), *blocked)
+    with pytest.raises(RuntimeError, match="takes a bfloat16 or float32 CPU tensor"):
+        torch.ops.tokenmill.int4_linear(x[:1].half(), *blocked)
     with pytest.raises(RuntimeError, match="scales and mins must be contiguous float16"):
         torch.ops.tokenmill.int4_linear(x[:1], blocked[0], blocked[1].float(), blocked[2])
 

@@ -35,10 +35,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& mins, int64_t method);
 // int4_blocked_cpu.cpp: x [rows, in] bfloat16 (1 or more rows) times an int4 weight in the blocked layout
 // (layers/int4.py block_int4_layout; float32 scales and `high`: level_sums.py's groups); [rows, blocks * 16]
-// bfloat16. Callers check int4_blocked_available().
+// bfloat16. Callers check int4_blocked_available(). Float32 rows (4-bit levels only) go to
+// int4_linear_blocked_f32 and come back float32; callers check int4_blocked_f32_available().
 bool int4_blocked_available();
 at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& mins, const std::optional<at::Tensor>& high);
+// int4_blocked_f32_cpu.cpp: float32 rows times the blocked layout, the format checked by the caller.
+bool int4_blocked_f32_available();
+at::Tensor int4_linear_blocked_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                   const at::Tensor& mins);
 // The int4 level-sums kernel (int4_pairs_cpu.cpp): built with AVX512-BF16; 1 to int4_pairs_max_rows() bfloat16
 // rows whose format the caller checked.
 bool int4_pairs_available();

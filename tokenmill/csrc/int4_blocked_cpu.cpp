@@ -193,12 +193,17 @@ bool int4_blocked_available() {
 at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& mins, const std::optional<at::Tensor>& high) {
   check_blocked_format(packed, scales, mins, high);
-  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "the int4 blocked kernel takes a bfloat16 CPU tensor x [rows, in] with contiguous features");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.dim() == 2 && x.stride(1) == 1,
+              "the int4 blocked kernel takes a bfloat16 or float32 CPU tensor x [rows, in] with contiguous features");
   const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
   TORCH_CHECK(rows >= 1, "the int4 blocked kernel takes at least one row, got ", rows);
   TORCH_CHECK(x.size(1) == groups * kGroup, "x has ", x.size(1), " features, the weight ", groups * kGroup);
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(!high.has_value(), "the int4 blocked kernel takes 5-bit levels with bfloat16 rows only");
+    return int4_linear_blocked_f32(x, packed, scales, mins);
+  }
+  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16 for bfloat16 rows");
   const int64_t out_features = blocks * kBlockOutputs;
   at::Tensor out = at::empty({rows, out_features}, x.options());
 #ifdef TOKENMILL_GROUP_AVX512

@@ -120,9 +120,13 @@ class FusedDecodeWeights:
                 return None
             int4_weight, packed = linear.int4_weight, linear.packed_weight
             if int4_weight is not None and int4:
-                layout = int4_weight.blocked() if blocked and dtype == torch.bfloat16 else None
+                bf16 = dtype == torch.bfloat16
+                layout = (int4_weight.blocked() if bf16 else int4_weight.blocked_f32()) if blocked else None
                 fused.weights += list(layout or (int4_weight.packed, int4_weight.scales, int4_weight.mins))
-                max_rows.append(int4_weight.max_rows if dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
+                if bf16:
+                    max_rows.append(int4_weight.max_rows)
+                else:  # float32: as many rows as the modules take the layout passed for
+                    max_rows.append(int4_weight.float32_max_rows if layout else INT4_FLOAT32_MAX_ROWS)
             elif not int4 and dtype == torch.bfloat16 and (onednn := linear.onednn_packed_bf16()) is not None:
                 fused.weights.append(onednn)  # the wide stack
                 max_rows.append(PANELS_MAX_ROWS)

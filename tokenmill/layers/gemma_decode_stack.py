@@ -36,7 +36,6 @@ from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.cpu_gemm import BF16_ROW_KERNEL_MAX_ROWS, bf16_row_weight
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_decode_stack import PANELS_MAX_ROWS, StackAttentionSource
-from tokenmill.layers.int4 import INT4_FLOAT32_MAX_ROWS
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.q8 import Q8_FLOAT32_MAX_ROWS
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -91,11 +90,11 @@ class StackProjection:
             linear.packed_weight,
         )
         if int4 is not None:
-            # bfloat16 small steps: the blocked copy where the weight has one, as the module multiplies
+            # Small steps: the blocked copy where the weight has one, as the module multiplies
             # (the Gemma stack has no row-independent form, whose row kernel needs the row layout).
-            layout = int4.blocked() if bf16 else None
+            layout = int4.blocked() if bf16 else int4.blocked_f32()
             tensors, kind = list(layout or (int4.packed, int4.scales, int4.mins)), KIND_INT4
-            max_rows = int4.max_rows if bf16 else INT4_FLOAT32_MAX_ROWS
+            max_rows = int4.max_rows if bf16 else int4.float32_max_rows
         elif linear.int8_weight is not None:
             return None
         elif q8 is not None:

@@ -7,9 +7,11 @@ group are packed in 16 bytes: byte ``j`` holds element ``j`` in its low nibble a
 in its high nibble. That is 4.5 bits per weight, 3.6x fewer bytes than bfloat16, and decoding a few
 sequences is a stream over the weights.
 
-Float32 rows (a float32 model, ``--dtype auto`` on CPUs without AVX-512) multiply with the unrounded
-values ``d * q + m`` (``csrc/group_gemm_f32_cpu.cpp``, AVX2 FMA), which a Q4_1 GGUF's layers hold
-exactly in float32; the rest of this paragraph is about bfloat16 rows.
+Float32 rows (a float32 model, ``--dtype auto`` on CPUs without AVX512-BF16) multiply with the
+unrounded values ``d * q + m``, which a Q4_1 GGUF's layers hold exactly in float32: on the blocked
+copy below (``csrc/int4_blocked_f32_cpu.cpp``, AVX2 or AVX-512F: ``d * sum(x q) + m * sum(x)`` per
+group, up to :func:`float32_max_rows` rows) where the outputs are a multiple of 16, else on the row
+layout (``csrc/group_gemm_f32_cpu.cpp``, AVX2 FMA); the rest of this paragraph is about bfloat16 rows.
 ``int4_linear`` (``csrc/int4_gemm_cpu.cpp``) multiplies the rows of a step by such a weight, decoding
 each packed byte once per call. On CPUs with AVX512-BF16 steps of 1 to 8 rows (below the tiles) take
 the level-sums kernel (``csrc/int4_pairs_cpu.cpp``: per group ``d * sum(x q) + m * sum(x)``, two groups
@@ -53,6 +55,12 @@ INT4_BLOCKED_MAX_ROWS = 16
 # float32 rows (csrc/group_gemm_f32_cpu.cpp) against float32 panels, SmolLM2's projections and head
 # on one thread of a loaded Zen 4 on the avx2 path: 2.1x faster at one row, even at four.
 INT4_FLOAT32_MAX_ROWS = 3
+# float32 rows on the blocked copy (csrc/int4_blocked_f32_cpu.cpp), by the kernel's vector width:
+# SmolLM2's four projections on a 2-core Zen 5, microseconds, blocked / the row kernel / float32 panels
+# (ours on avx2, oneDNN's on avx512): 8 lanes (avx2) 96 / 127 / 342 at one row, 323 / 317 / 426 at
+# eight, 614 / 661 / 575 at sixteen; 16 lanes (avx512) 73 / 128 / 419 at one row, 155 / 372 / 453 at
+# eight, 297 / 749 / 543 at sixteen.
+INT4_BLOCKED_F32_MAX_ROWS = {8: 8, 16: 16}
 
 # int4_linear's ``method``: 0 picks by the number of rows, 1 forces the row kernel, 2 the tile kernel,
 # 3 the level-sums kernel (csrc/int4_pairs_cpu.cpp: AVX512-BF16, 1 to INT4_PAIRS_MAX_ROWS rows).
@@ -171,6 +179,23 @@ def blocked_copy(
     return block_int4_layout(packed, scales, mins)
 
 
+@functools.cache
+def int4_blocked_f32_lanes() -> int:
+    """The float32 blocked kernel's outputs per vector here: 16 (AVX-512F), 8 (AVX2, FMA and F16C) or
+    0 (not built: float32 rows take the row kernel)."""
+    _require_kernel()
+    return int(torch.ops.tokenmill.int4_blocked_f32_lanes())
+
+
+def float32_max_rows(out_features: int) -> int:
+    """The most float32 rows a step sends through the int4 kernels for a weight with ``out_features``
+    outputs: the blocked kernel's bound where it takes the weight (outputs a multiple of 16), else
+    ``INT4_FLOAT32_MAX_ROWS`` (the row kernel)."""
+    if out_features % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_f32_lanes() > 0:
+        return INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()]
+    return INT4_FLOAT32_MAX_ROWS
+
+
 def blocked_takes(out_features: int) -> bool:
     """Whether the blocked kernel runs here and takes a weight with ``out_features`` outputs (a multiple
     of 16): then it takes bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows."""
@@ -247,7 +272,9 @@ class Int4Weight:
     mins: torch.Tensor  # [out_features, in_features / 32] float16
     # The most rows a bfloat16 step takes the int4 kernels for (default: :func:`int4_max_rows`).
     max_rows: int = 0
-    # The blocked kernel's copy (:meth:`blocked`), made on first use.
+    # The most rows a float32 step takes them for (default: :func:`float32_max_rows`).
+    float32_max_rows: int = 0
+    # The blocked layout (:meth:`blocked`, :meth:`blocked_f32`), made on first use.
     _blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )
@@ -255,33 +282,52 @@ class Int4Weight:
     def __post_init__(self) -> None:
         if self.max_rows <= 0:
             self.max_rows = int4_max_rows(self.packed.shape[0])
+        if self.float32_max_rows <= 0:
+            self.float32_max_rows = float32_max_rows(self.packed.shape[0])
+
+    def _layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._blocked is None:
+            self._blocked = block_int4_layout(self.packed, self.scales, self.mins)
+        return self._blocked
 
     def blocked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(packed, scales, mins)`` in the blocked layout for bfloat16 steps of 1 to
         ``INT4_BLOCKED_MAX_ROWS`` rows where that kernel runs (:func:`int4_blocked_available`) and the
         outputs are a multiple of 16, else None (those steps take the level-sums or row kernel)."""
-        if self._blocked is None:
-            self._blocked = blocked_copy(self.packed, self.scales, self.mins)
-        return self._blocked
+        return self._layout() if blocked_takes(self.packed.shape[0]) else None
+
+    def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The same layout for float32 steps of 1 to ``float32_max_rows`` rows where the float32 blocked
+        kernel runs (:func:`int4_blocked_f32_lanes`) and the outputs are a multiple of 16, else None
+        (those steps take the row kernel, ``csrc/group_gemm_f32_cpu.cpp``)."""
+        if self.packed.shape[0] % BLOCK_OUTPUTS or load_error() is not None or not int4_blocked_f32_lanes():
+            return None
+        return self._layout()
 
     def triple(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tensors ``int4_linear`` multiplies a step of ``rows`` rows of ``dtype`` with (auto method):
-        the blocked copy for bfloat16 steps it takes, else the row layout."""
+        the blocked copy for the steps its kernels take, else the row layout."""
         if (
             dtype == torch.bfloat16
             and rows <= INT4_BLOCKED_MAX_ROWS
             and (blocked := self.blocked()) is not None
         ):
             return blocked
+        if (
+            dtype == torch.float32
+            and rows <= self.float32_max_rows
+            and (blocked := self.blocked_f32()) is not None
+        ):
+            return blocked
         return self.packed, self.scales, self.mins
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the int4 kernels: 2-D bfloat16 or float32 (a float32 model's exactly
-        4-bit layers, ``csrc/group_gemm_f32_cpu.cpp``) with 1 to ``max_rows`` rows (float32: 1 to
-        ``INT4_FLOAT32_MAX_ROWS``)."""
+        4-bit layers: ``csrc/int4_blocked_f32_cpu.cpp``, else ``csrc/group_gemm_f32_cpu.cpp``) with 1 to
+        ``max_rows`` rows (float32: 1 to ``float32_max_rows``)."""
         if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
             return False
-        return 0 < x.shape[0] <= (self.max_rows if x.dtype == torch.bfloat16 else INT4_FLOAT32_MAX_ROWS)
+        return 0 < x.shape[0] <= (self.max_rows if x.dtype == torch.bfloat16 else self.float32_max_rows)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` with the int4 kernel; ``[rows, out_features]``. (An ``Int4Weight`` exists

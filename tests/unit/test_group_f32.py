@@ -78,12 +78,17 @@ def test_q8_groups_of_a_float32_weight_and_the_kernel(shape: tuple[int, int]) ->
     head = Q8Weight(q, scales)
     x_all = torch.randn(max(ROW_COUNTS) + 1, shape[1])
     for rows in ROW_COUNTS:
-        assert head.takes(x_all[:rows]) == (rows <= Q8_FLOAT32_MAX_ROWS)
+        assert head.takes(x_all[:rows]) == (rows <= head.float32_max_rows)
         got = head.linear(x_all[:rows])
         assert got.dtype == torch.float32
         # The same float32 products summed in another order (sums of ~1,500 terms of size ~1).
         assert torch.allclose(got, x_all[:rows] @ weight.T, rtol=1e-4, atol=1e-4 * shape[1] ** 0.5), rows
-    assert not head.takes(x_all)  # more rows than the float32 bound: the float32 weight
+    # Outputs a multiple of 16: the blocked kernel's bound, else the row kernel's.
+    blocks = shape[0] % 16 == 0 and int4_blocked_f32_lanes() > 0
+    assert head.float32_max_rows == (
+        INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()] if blocks else Q8_FLOAT32_MAX_ROWS
+    )
+    assert not head.takes(torch.randn(head.float32_max_rows + 1, shape[1]))  # above: the float32 weight
     bf16_rows = x_all.bfloat16()  # bfloat16: up to Q8_MAX_ROWS
     assert head.takes(bf16_rows[:Q8_MAX_ROWS]) and not head.takes(bf16_rows[: Q8_MAX_ROWS + 1])
     # A float32 weight off the grid has no exact groups.

@@ -58,6 +58,9 @@ at::Tensor level_sums_linear(const at::Tensor& x, const at::Tensor& packed, cons
 at::Tensor int4_linear_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& mins);
 at::Tensor q8_linear_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+// q8_blocked_f32_cpu.cpp: float32 rows times exact 8-bit groups in the blocked layout (layers/q8.py
+// block_q8_layout), checked here; needs int4_blocked_f32_available() (the same vectors).
+at::Tensor q8_linear_blocked_f32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 // x [rows, in] bfloat16 times a oneDNN-packed bfloat16 weight (torch.ops.mkldnn._reorder_linear_weight), plus
 // bias: the operator cpu_gemm.packed_linear calls (mkldnn::_linear_pointwise), through the dispatcher.
 at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);

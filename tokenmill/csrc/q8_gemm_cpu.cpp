@@ -82,6 +82,7 @@ void q8_portable(const c10::BFloat16* x, int64_t x_stride, const int8_t* q, cons
 #endif
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  if (q.dim() == 3) return ops::q8_linear_blocked_f32(x, q, scales);  // the blocked layout: float32 rows
   TORCH_CHECK(q.device().is_cpu() && scales.device().is_cpu() && x.device().is_cpu(), "q8 tensors must be on the CPU");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be contiguous int8 [out, in]");
   const int64_t out_features = q.size(0), in = q.size(1);

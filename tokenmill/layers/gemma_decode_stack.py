@@ -37,7 +37,6 @@ from tokenmill.layers.cpu_gemm import BF16_ROW_KERNEL_MAX_ROWS, bf16_row_weight
 from tokenmill.layers.forward_batch import ForwardBatch
 from tokenmill.layers.fused_decode_stack import PANELS_MAX_ROWS, StackAttentionSource
 from tokenmill.layers.linear import LinearBase
-from tokenmill.layers.q8 import Q8_FLOAT32_MAX_ROWS
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
 
@@ -98,7 +97,8 @@ class StackProjection:
         elif linear.int8_weight is not None:
             return None
         elif q8 is not None:
-            tensors, kind, max_rows = [q8.q, q8.scales], KIND_Q8, q8.max_rows if bf16 else Q8_FLOAT32_MAX_ROWS
+            pair = (q8.q, q8.scales) if bf16 else q8.pair(q8.float32_max_rows, torch.float32)
+            tensors, kind, max_rows = list(pair), KIND_Q8, q8.max_rows if bf16 else q8.float32_max_rows
         elif levels is not None and bf16:
             # As the module multiplies: the blocked copy where it has one; an empty fourth tensor: 4 bits.
             packed_levels, level_scales, level_mins, fifth = levels.kernel_tensors()

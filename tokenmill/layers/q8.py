@@ -6,8 +6,9 @@ Format: a weight ``[out, in]`` in groups of 32 consecutive input features, per g
 ``round_bf16(float(d) * q)`` (the product is exact in float32). A Q8_0 GGUF tensor loaded in bfloat16
 holds exactly these values, so a layer whose weight passes :func:`exact_q8_groups` can stream half
 the bytes of bfloat16 for the same weight values: not a quantization. In float32 the values are
-``float(d) * q`` unrounded (a Q8_0 tensor loaded in float32), for float32 rows
-(``csrc/group_gemm_f32_cpu.cpp``). Our kernel
+``float(d) * q`` unrounded (a Q8_0 tensor loaded in float32), for float32 rows: a copy of the groups
+in blocks of 16 outputs (:func:`block_q8_layout`, ``csrc/q8_blocked_f32_cpu.cpp``, where the outputs
+are a multiple of 16), else ``csrc/group_gemm_f32_cpu.cpp``. Our bfloat16 kernel
 (``csrc/q8_gemm_cpu.cpp``, the row kernel of ``csrc/group_gemm.h``) decodes each group once per call
 and multiplies it with every input row (bfloat16 dot products, float32 accumulation).
 """
@@ -15,11 +16,12 @@ and multiplies it with every input row (bfloat16 dot products, float32 accumulat
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.layers.cpu_kernels import load_error
+from tokenmill.layers.int4 import INT4_BLOCKED_F32_MAX_ROWS, int4_blocked_f32_lanes
 
 GROUP_SIZE = 32
 # Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values, or matches it: on
@@ -33,6 +35,27 @@ Q8_MAX_ROWS = 5
 # float32 rows: the same bound as int4's on float32 rows (layers/int4.py INT4_FLOAT32_MAX_ROWS, measured
 # on the projections and this head together).
 Q8_FLOAT32_MAX_ROWS = 3
+# float32 rows on the blocked copy (csrc/q8_blocked_f32_cpu.cpp), the int4 blocked kernel's bounds by
+# vector width (layers/int4.py INT4_BLOCKED_F32_MAX_ROWS): on SmolLM2's head (49152 x 576, 2-core Zen
+# 5) the row kernel beat the float32 weight at every row count to 8 (2.39 against 2.77 ms at 8 rows).
+BLOCK_OUTPUTS = 16
+
+
+def block_q8_layout(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [out / 16, G, 512] int8, scales [out / 16, G, 16] float16)``: per block of 16 outputs and
+    group, 32 rows of 16 bytes, row ``j`` the 16 outputs' levels of feature ``j`` (the layout of
+    ``csrc/q8_blocked_f32_cpu.cpp``). ValueError unless ``out`` is a multiple of 16."""
+    out_features, in_features = q.shape
+    if out_features % BLOCK_OUTPUTS:
+        raise ValueError(
+            f"the blocked q8 layout needs out_features a multiple of {BLOCK_OUTPUTS}, got {out_features}"
+        )
+    blocks, groups = out_features // BLOCK_OUTPUTS, in_features // GROUP_SIZE
+    by_feature = q.reshape(blocks, BLOCK_OUTPUTS, groups, GROUP_SIZE).permute(0, 2, 3, 1)  # [B, G, 32, 16]
+    block_scales = scales.reshape(blocks, BLOCK_OUTPUTS, groups).permute(0, 2, 1)  # [B, G, 16]
+    return by_feature.reshape(
+        blocks, groups, GROUP_SIZE * BLOCK_OUTPUTS
+    ).contiguous(), block_scales.contiguous()
 
 
 def exact_q8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -82,17 +105,50 @@ class Q8Weight:
     q: torch.Tensor  # [out_features, in_features] int8
     scales: torch.Tensor  # [out_features, in_features / 32] float16
     max_rows: int = Q8_MAX_ROWS
+    # The most float32 rows a step takes the kernels for: the blocked copy's bound where it serves,
+    # else Q8_FLOAT32_MAX_ROWS (set in __post_init__).
+    float32_max_rows: int = 0
+    _blocked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.float32_max_rows <= 0:
+            serves = (
+                self.q.shape[0] % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_f32_lanes()
+            )
+            self.float32_max_rows = (
+                INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()] if serves else Q8_FLOAT32_MAX_ROWS
+            )
+
+    def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(q, scales)`` in the blocked layout for float32 steps where its kernel runs and the
+        outputs are a multiple of 16 (made on first use), else None."""
+        if self.q.shape[0] % BLOCK_OUTPUTS or load_error() is not None or not int4_blocked_f32_lanes():
+            return None
+        if self._blocked is None:
+            self._blocked = block_q8_layout(self.q, self.scales)
+        return self._blocked
+
+    def pair(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors ``q8_linear`` multiplies a step of ``rows`` rows of ``dtype`` with: the blocked
+        copy for the float32 steps it takes, else the row layout."""
+        if (
+            dtype == torch.float32
+            and rows <= self.float32_max_rows
+            and (blocked := self.blocked_f32()) is not None
+        ):
+            return blocked
+        return self.q, self.scales
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows, or float32
-        with 1 to ``Q8_FLOAT32_MAX_ROWS``."""
+        """Whether ``x`` goes through the kernels: 2-D bfloat16 with 1 to ``max_rows`` rows, or float32
+        with 1 to ``float32_max_rows``."""
         if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
             return False
-        return 0 < x.shape[0] <= (self.max_rows if x.dtype == torch.bfloat16 else Q8_FLOAT32_MAX_ROWS)
+        return 0 < x.shape[0] <= (self.max_rows if x.dtype == torch.bfloat16 else self.float32_max_rows)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` ``[rows, out_features]`` in bfloat16 (float32 accumulation)."""
-        return torch.ops.tokenmill.q8_linear(x, self.q, self.scales)  # [rows, out_features]
+        """``x @ W.T`` ``[rows, out_features]`` in x's dtype (float32 accumulation)."""
+        return torch.ops.tokenmill.q8_linear(x, *self.pair(x.shape[0], x.dtype))  # [rows, out_features]
 
 
 def exact_q8_weight(

@@ -1,7 +1,8 @@
-"""The blocked int4 kernel for float32 rows (``csrc/int4_blocked_f32_cpu.cpp``): over the same blocked
-copy as the bfloat16 kernel, it computes with the exact values ``d * q + m`` in float32, a row's bits
-do not depend on the step's rows, and ``Int4Weight`` sends float32 steps of 1 to ``float32_max_rows``
-rows to it. The AVX-512 build (16 outputs a vector) runs here; the AVX2 build (8 outputs a vector, an
+"""The blocked kernels for float32 rows: int4 (``csrc/int4_blocked_f32_cpu.cpp``, over the same blocked
+copy as the bfloat16 kernel) and exact 8-bit groups (``csrc/q8_blocked_f32_cpu.cpp``, the head of a
+float32 model). They compute with the exact values ``d * q + m`` / ``d * q`` in float32, a row's bits
+do not depend on the step's rows, and ``Int4Weight`` / ``Q8Weight`` send float32 steps of 1 to
+``float32_max_rows`` rows to them. The AVX-512 build (16 outputs a vector) runs here; the AVX2 build (8 outputs a vector, an
 AVX2-only CPU's) runs the same tests in a process under ``TOKENMILL_CPU_ISA=avx2``."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.layers.int4 import (
     int4_blocked_f32_lanes,
     quantize_int4,
 )
+from tokenmill.layers.q8 import Q8_FLOAT32_MAX_ROWS, Q8Weight, block_q8_layout
 
 needs_kernel = pytest.mark.skipif(int4_blocked_f32_lanes() == 0, reason="the kernel needs AVX2, FMA and F16C")
 
@@ -102,6 +104,64 @@ def test_the_float32_kernel_refuses_what_it_does_not_take() -> None:
         torch.ops.tokenmill.level_sums_linear(torch.randn(1, 64), *blocked, high)
 
 
+def q8_groups(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    scales = (torch.rand(out_features, in_features // 32) * 1e-2).half()
+    scales[0, 0] = 0  # an all-zero group
+    return q, scales
+
+
+def test_the_blocked_q8_layout_holds_each_level_where_the_kernel_reads_it() -> None:
+    q, scales = q8_groups(48, 96)
+    blocked, block_scales = block_q8_layout(q, scales)
+    assert blocked.shape == (3, 3, 512) and block_scales.shape == (3, 3, 16)
+    for o, feature in [(0, 0), (17, 5), (47, 95), (30, 34)]:
+        b, lane = divmod(o, 16)
+        g, j = divmod(feature, 32)
+        assert blocked[b, g, j * 16 + lane] == q[o, feature] and block_scales[b, g, lane] == scales[o, g]
+    with pytest.raises(ValueError, match="needs out_features a multiple of 16, got 40"):
+        block_q8_layout(*q8_groups(40, 64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(49152, 576), (48, 96)])
+def test_float32_rows_meet_the_exact_q8_values(shape: tuple[int, int]) -> None:
+    """d * sum(x q) per group in float32 against the float64 product; each row's bits as alone, for
+    every row count to past two passes; the module sends its float32 steps there."""
+    q, scales = q8_groups(*shape)
+    weight = Q8Weight(q, scales)
+    blocked = weight.blocked_f32()
+    assert blocked is not None and weight.blocked_f32() is blocked
+    exact = (q.double().reshape(shape[0], -1, 32) * scales.double()[..., None]).reshape(shape)
+    x_all = torch.randn(19, shape[1])
+    alone = [torch.ops.tokenmill.q8_linear(x_all[r : r + 1], *blocked) for r in range(19)]
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 19):
+        x = x_all[:rows]
+        got = torch.ops.tokenmill.q8_linear(x, *blocked)
+        for r in range(rows):
+            assert torch.equal(got[r : r + 1], alone[r]), (rows, r)
+        if rows <= weight.float32_max_rows:
+            assert torch.equal(weight.linear(x), got) and weight.takes(x)
+        else:
+            assert not weight.takes(x)
+        error = (got.double() - x.double() @ exact.T).abs()
+        assert bool((error <= 2**-20 * (x.double().abs() @ exact.abs().T)).all()), rows
+
+
+@needs_kernel
+def test_q8_weights_without_blocks_of_16_keep_the_row_kernel_and_the_kernel_refuses_bad_input() -> None:
+    uneven = Q8Weight(*q8_groups(40, 64))
+    assert uneven.blocked_f32() is None and uneven.float32_max_rows == Q8_FLOAT32_MAX_ROWS
+    assert uneven.pair(1, torch.float32)[0] is uneven.q
+    blocked = block_q8_layout(*q8_groups(32, 64))
+    with pytest.raises(RuntimeError, match="takes a float32 CPU tensor"):
+        torch.ops.tokenmill.q8_linear(torch.randn(1, 64).bfloat16(), *blocked)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        torch.ops.tokenmill.q8_linear(torch.randn(1, 32), *blocked)
+    with pytest.raises(RuntimeError, match="takes at least one row, got 0"):
+        torch.ops.tokenmill.q8_linear(torch.randn(0, 64), *blocked)
+
+
 @pytest.mark.skipif(
     not {"avx2", "fma", "f16c"} <= cpu_flags() or "avx512f" not in cpu_flags(),
     reason="the AVX2 build is checked from a CPU with AVX-512 (on an AVX2-only CPU the tests above run it)",
@@ -121,4 +181,4 @@ def test_the_avx2_build_under_cpu_isa_avx2() -> None:
         timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "8 passed" in done.stdout
+    assert "12 passed" in done.stdout

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -314,3 +316,19 @@ def structured_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tests_under_isa() -> Callable[..., str]:
+    """``run(isa, target, *args)``: pytest on ``target`` (a file or test id, with ``args``) in a fresh
+    process under ``TOKENMILL_CPU_ISA=isa`` (the kernels built for that path); asserts it passed and
+    returns its output."""
+
+    def run(isa: str, target: str, *args: str) -> str:
+        env = {**os.environ, "TOKENMILL_CPU_ISA": isa}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target, *args]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    return run

@@ -7,10 +7,8 @@ continuation, with logprobs close.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -218,20 +216,11 @@ def test_kernel_and_reference_agree(dtype: torch.dtype, library: str) -> None:
                     assert not torch.equal(fast[row], base_out[row])
 
 
-def test_kernel_under_cpu_isa_avx2() -> None:
+def test_kernel_under_cpu_isa_avx2(tests_under_isa: Callable[..., str]) -> None:
     """``TOKENMILL_CPU_ISA=avx2`` (what an AVX2-only CPU runs): the kernel is built without AVX-512,
     a bfloat16 model gets float32 slots, and the kernel test above passes in that process."""
-    env = {**os.environ, "TOKENMILL_CPU_ISA": "avx2"}
-    test = f"{__file__}::test_kernel_and_reference_agree"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "native"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "2 passed" in done.stdout
+    output = tests_under_isa("avx2", f"{__file__}::test_kernel_and_reference_agree", "-k", "native")
+    assert "2 passed" in output
 
 
 def test_bf16_slots_hold_the_packed_adapter() -> None:

@@ -7,14 +7,12 @@ AVX2-only CPU's) runs the same tests in a process under ``TOKENMILL_CPU_ISA=avx2
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from tokenmill.layers.cpu_isa import cpu_flags
+from tokenmill.layers.cpu_isa import cpu_flags, cpu_isa
 from tokenmill.layers.int4 import (
     INT4_BLOCKED_F32_MAX_ROWS,
     INT4_FLOAT32_MAX_ROWS,
@@ -104,6 +102,12 @@ def test_the_float32_kernel_refuses_what_it_does_not_take() -> None:
         torch.ops.tokenmill.level_sums_linear(torch.randn(1, 64), *blocked, high)
 
 
+def test_the_kernels_width_follows_the_path() -> None:
+    """16 outputs a vector where the path has AVX-512F, 8 on the avx2 path (and an AVX2-only CPU)."""
+    wide = cpu_isa() in ("amx", "avx512_bf16", "avx512")
+    assert int4_blocked_f32_lanes() == (16 if wide else 8 if {"avx2", "fma", "f16c"} <= cpu_flags() else 0)
+
+
 def q8_groups(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
     scales = (torch.rand(out_features, in_features // 32) * 1e-2).half()
@@ -166,19 +170,8 @@ def test_q8_weights_without_blocks_of_16_keep_the_row_kernel_and_the_kernel_refu
     not {"avx2", "fma", "f16c"} <= cpu_flags() or "avx512f" not in cpu_flags(),
     reason="the AVX2 build is checked from a CPU with AVX-512 (on an AVX2-only CPU the tests above run it)",
 )
-def test_the_avx2_build_under_cpu_isa_avx2() -> None:
+def test_the_avx2_build_under_cpu_isa_avx2(tests_under_isa: Callable[..., str]) -> None:
     """``TOKENMILL_CPU_ISA=avx2``: the kernels built without AVX-512 (8 outputs a vector, two per
     block) pass the tests above in that process."""
-    env = {**os.environ, "TOKENMILL_CPU_ISA": "avx2"}
-    code = "from tokenmill.layers.int4 import int4_blocked_f32_lanes; assert int4_blocked_f32_lanes() == 8"
-    check = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert check.returncode == 0, check.stderr[-3000:]
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "12 passed" in done.stdout
+    output = tests_under_isa("avx2", __file__, "-k", "not avx2_build")
+    assert "13 passed" in output

@@ -12,6 +12,11 @@ set ``kTilesFromRows`` in csrc/int4_gemm_cpu.cpp, and those at which oneDNN over
 ``INT4_MAX_ROWS`` / ``INT4_BLOCKED_MAX_ROWS`` / ``INT4_MAX_ROWS_WITH_TILES`` in tokenmill/layers/int4.py.
 
     .venv/bin/python benchmarks/int4_gemv.py [--rows 1 2 4 8 16 32 64 128] [--threads 2]
+
+With ``--float32`` the rows are float32 (a float32 model: the avx2 and avx512 paths) and the kernels
+the row kernel (``csrc/group_gemm_f32_cpu.cpp``), the blocked kernel for float32 rows
+(``csrc/int4_blocked_f32_cpu.cpp``, where it is built) and the float32 weight's product (our panels on
+the avx2 path, else oneDNN), which set ``INT4_FLOAT32_MAX_ROWS`` and ``INT4_BLOCKED_F32_MAX_ROWS``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from tokenmill.layers.int4 import (
     METHOD_ROWS,
     METHOD_TILES,
     block_int4_layout,
+    dequantize_int4_float32,
     int4_blocked_available,
+    int4_blocked_f32_lanes,
     int4_has_tiles,
     int4_linear,
     int4_pairs_available,
@@ -59,6 +66,38 @@ def time_per_call(calls: list[Callable[[], torch.Tensor]], repeats: int) -> floa
     return best
 
 
+def float32_rows(args: argparse.Namespace) -> None:
+    """The ``--float32`` table: per shape and row count, microseconds and GB/s of each kernel's format."""
+    lanes = int4_blocked_f32_lanes()
+    blocked = lanes > 0 and all(SHAPES[name][0] % 16 == 0 for name in args.shapes)
+    columns = ["int4 rows", *([f"int4 blocked x{lanes}"] if blocked else []), "float32 weight"]
+    print(f"{'shape':<20} {'rows':>4}  " + "  ".join(f"{c:>18}" for c in columns))
+    for name in args.shapes:
+        out_features, in_features = SHAPES[name]
+        int4_bytes = out_features * in_features * (0.5 + 4 / 32)
+        copies = max(2, math.ceil(args.working_set_mb * 1e6 / int4_bytes))
+        triples = [quantize_int4(torch.randn(out_features, in_features) * 0.05) for _ in range(copies)]
+        layouts = [block_int4_layout(*t) for t in triples] if blocked else []
+        packed = [pack_weight(dequantize_int4_float32(*t)) for t in triples]
+        for rows in args.rows:
+            x = torch.randn(rows, in_features)  # [rows, in_features] float32
+            kernels: list[tuple[list[Callable[[], torch.Tensor]], float]] = [
+                ([lambda t=t, x=x: torch.ops.tokenmill.int4_linear(x, *t) for t in triples], int4_bytes)
+            ]
+            if blocked:
+                kernels.append(
+                    ([lambda t=t, x=x: torch.ops.tokenmill.int4_linear(x, *t) for t in layouts], int4_bytes)
+                )
+            kernels.append(
+                ([lambda p=p, x=x: packed_linear(x, p, None) for p in packed], out_features * in_features * 4)
+            )
+            cells = []
+            for calls, size in kernels:
+                seconds = time_per_call(calls, args.repeats)
+                cells.append(f"{seconds * 1e6:7.1f} us {size / seconds / 1e9:5.1f}")
+            print(f"{name:<20} {rows:>4}  " + "  ".join(f"{cell:>18}" for cell in cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -68,11 +107,15 @@ def main() -> None:
     parser.add_argument("--working-set-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--float32", action="store_true", help="float32 rows (the avx2 and avx512 paths)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     print(f"{args.threads} threads; per call: microseconds, GB/s of the kernel's own weight format")
+    if args.float32:
+        float32_rows(args)
+        return
     tiles = int4_has_tiles()
     pairs = int4_pairs_available()
     blocked = int4_blocked_available() and all(SHAPES[name][0] % 16 == 0 for name in args.shapes)

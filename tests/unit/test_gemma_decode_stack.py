@@ -4,6 +4,8 @@ module takes, with the same bits as the modules."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.cpu_gemm import float32_panels_preferred
+from tokenmill.layers.cpu_isa import cpu_flags
 from tokenmill.layers.gemma_decode_stack import (
     KIND_BF16_ROWS,
     KIND_INT4,
@@ -24,8 +27,10 @@ from tokenmill.layers.gemma_decode_stack import (
 )
 from tokenmill.layers.int4 import (
     BLOCK_OUTPUTS,
+    INT4_BLOCKED_F32_MAX_ROWS,
     INT4_BLOCKED_MAX_ROWS,
     blocked_takes,
+    int4_blocked_f32_lanes,
     int4_max_rows,
     int4_pairs_available,
 )
@@ -334,3 +339,48 @@ def test_the_deterministic_mode_runs_the_layer_modules(gemma_folder: str) -> Non
     """Its backend attends row-independently, which this stack does not: no stack then."""
     llm = LLM(gemma_folder, dtype="bfloat16", quantization="int4", num_blocks=16, deterministic=True)
     assert llm.engine.executor.runner.model.decode_stack is None
+
+
+@pytest.mark.skipif(int4_blocked_f32_lanes() == 0, reason="the blocked kernel for float32 rows needs AVX2")
+def test_q4_k_like_layers_of_a_float32_model_take_the_blocked_kernel_in_the_stack(
+    gguf_like_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same in float32 (the avx2 and avx512 paths): Q4_K-like down projections whose outputs are a
+    multiple of 16 multiply small steps on the blocked kernel for float32 rows, in the stack as in
+    their modules."""
+    llm = LLM(gguf_like_folder, dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False)
+    model = llm.engine.executor.runner.model
+    torch.manual_seed(9)
+    for layer in model.layers:
+        down = layer.mlp.down_proj
+        out_features, in_features = down.weight.shape
+        assert out_features % 16 == 0
+        levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+        scales = torch.rand(out_features, in_features // 32) * 0.02
+        k4 = LevelWeight(pack_levels(levels), scales, -8 * scales)
+        down.weight.data.copy_(k4.dequantize())
+        down.level_weight = k4
+        assert k4.float32_max_rows == INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()]
+    prepare_for_inference(model)
+    down = model.layers[0].mlp.down_proj
+    x = torch.randn(3, down.weight.shape[1])
+    assert torch.equal(down(x), down.level_weight.linear(x))  # the module's small steps
+    stack = model.decode_stack
+    if not float32_panels_preferred():
+        # float32 weights on oneDNN (AVX-512): the Q5_0-like projections have no small-step kernel in
+        # float32 here, so there is no stack; the avx2 path (panels) builds it (the test below).
+        assert stack is None
+        return
+    assert stack is not None and stack.kinds[3::4] == [KIND_LEVELS] * NUM_LAYERS
+    _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
+
+
+@pytest.mark.skipif(
+    "avx512f" not in cpu_flags() or int4_blocked_f32_lanes() == 0,
+    reason="the avx2 path is checked from a CPU with AVX-512 (an AVX2-only CPU runs the test above there)",
+)
+def test_q4_k_like_layers_of_a_float32_model_in_the_stack_under_cpu_isa_avx2(
+    tests_under_isa: Callable[..., str],
+) -> None:
+    test = f"{__file__}::test_q4_k_like_layers_of_a_float32_model_take_the_blocked_kernel_in_the_stack"
+    assert "1 passed" in tests_under_isa("avx2", test)

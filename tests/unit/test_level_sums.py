@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
 from tests.unit.test_q8_small_levels import q5_0_like
-from tokenmill.layers.int4 import INT4_PAIRS_MAX_ROWS, int4_pairs_available
+from tokenmill.layers.int4 import INT4_PAIRS_MAX_ROWS, int4_blocked_f32_lanes, int4_pairs_available
 from tokenmill.layers.level_sums import LevelWeight, five_bit_weight, pack_levels, unpack_levels
 from tokenmill.layers.linear import RowParallelLinear
 from tokenmill.layers.q8 import exact_small_level_groups
@@ -142,6 +142,43 @@ def test_layers_holding_a_q4_k_tensor_exactly_get_its_groups(tmp_path) -> None: 
     assert torch.equal(layers["holds_a"](x), weight.linear(x))
     exact = x.double() @ weight.dequantize().double().T
     assert (layers["holds_a"](x).double() - exact).abs().max() <= 2.0**-7 * exact.abs().max()
+
+
+def test_float32_layers_holding_a_q4_k_tensor_exactly_get_its_groups(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A float32 model (the avx2 and avx512 paths): layers whose float32 weight is a Q4_K tensor's values
+    and whose outputs are a multiple of 16 get its groups, multiplied on the blocked kernel for float32
+    rows up to its rows, with the exact values."""
+    raw = {"a.weight": q4_k_blocks(32, 512, seed=7), "b.weight": q4_k_blocks(24, 256, seed=8)}
+    path = str(tmp_path / "k4.gguf")
+    _write_gguf(path, raw)
+    values = {
+        name: torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_K)) for name, data in raw.items()
+    }
+    layers = torch.nn.ModuleDict(
+        {
+            "holds_a": RowParallelLinear(512, 32, dtype=torch.float32),
+            "holds_b_uneven": RowParallelLinear(256, 24, dtype=torch.float32),
+            "a_rounded": RowParallelLinear(512, 32, dtype=torch.float32),
+        }
+    )
+    layers["holds_a"].weight.data.copy_(values["a.weight"])
+    layers["holds_b_uneven"].weight.data.copy_(values["b.weight"])
+    layers["a_rounded"].weight.data.copy_(values["a.weight"].to(torch.bfloat16).float())
+    if not int4_blocked_f32_lanes():
+        assert keep_exact_k4(layers, path) == 0
+        return
+    assert keep_exact_k4(layers, path) == 1
+    weight = layers["holds_a"].level_weight
+    assert weight is not None and layers["a_rounded"].level_weight is None
+    assert layers["holds_b_uneven"].level_weight is None  # 24 outputs: not the blocked kernel's
+    assert torch.equal(weight.dequantize(), values["a.weight"])
+    top = weight.float32_max_rows
+    for rows in (1, 5, top):
+        x = torch.randn(rows, 512)
+        assert weight.takes(x) and torch.equal(layers["holds_a"](x), weight.linear(x))
+        exact = x.double() @ values["a.weight"].double().T
+        assert (layers["holds_a"](x).double() - exact).abs().max() <= 2.0**-18 * exact.abs().max()
+    assert not weight.takes(torch.randn(top + 1, 512))
 
 
 def test_a_q5_0_weight_keeps_its_levels_and_fifth_bits() -> None:

@@ -131,7 +131,11 @@ class FusedDecodeWeights:
                 fused.weights.append(onednn)  # the wide stack
                 max_rows.append(PANELS_MAX_ROWS)
             elif (
-                dtype == torch.float32 and linear.int8_weight is None and packed is not None and packed.panels
+                dtype == torch.float32
+                and linear.int8_weight is None
+                and linear.level_weight is None  # whose small steps the module takes on its own kernel
+                and packed is not None
+                and packed.panels
             ):
                 fused.weights.append(packed.data)
                 max_rows.append(PANELS_MAX_ROWS)

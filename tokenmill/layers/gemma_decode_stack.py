@@ -99,14 +99,17 @@ class StackProjection:
         elif q8 is not None:
             pair = (q8.q, q8.scales) if bf16 else q8.pair(q8.float32_max_rows, torch.float32)
             tensors, kind, max_rows = list(pair), KIND_Q8, q8.max_rows if bf16 else q8.float32_max_rows
-        elif levels is not None and bf16:
+        elif levels is not None and (bf16 or levels.float32_max_rows > 0):
             # As the module multiplies: the blocked copy where it has one; an empty fourth tensor: 4 bits.
-            packed_levels, level_scales, level_mins, fifth = levels.kernel_tensors()
+            float32_layout = None if bf16 else levels.blocked_f32()
+            packed_levels, level_scales, level_mins, fifth = (
+                levels.kernel_tensors() if float32_layout is None else (*float32_layout, None)
+            )
             high = fifth if fifth is not None else packed_levels.new_empty(0, dtype=torch.int32)
             tensors, kind, max_rows = (
                 [packed_levels, level_scales, level_mins, high],
                 KIND_LEVELS,
-                levels.max_rows,
+                levels.max_rows if bf16 else levels.float32_max_rows,
             )
         elif packed is not None and bf16 and bf16_row_weight(linear.weight):
             tensors, kind, max_rows = [linear.weight], KIND_BF16_ROWS, BF16_ROW_KERNEL_MAX_ROWS

@@ -55,11 +55,11 @@ INT4_BLOCKED_MAX_ROWS = 16
 # float32 rows (csrc/group_gemm_f32_cpu.cpp) against float32 panels, SmolLM2's projections and head
 # on one thread of a loaded Zen 4 on the avx2 path: 2.1x faster at one row, even at four.
 INT4_FLOAT32_MAX_ROWS = 3
-# float32 rows on the blocked copy (csrc/int4_blocked_f32_cpu.cpp), by the kernel's vector width:
-# SmolLM2's four projections on a 2-core Zen 5, microseconds, blocked / the row kernel / float32 panels
-# (ours on avx2, oneDNN's on avx512): 8 lanes (avx2) 96 / 127 / 342 at one row, 323 / 317 / 426 at
-# eight, 614 / 661 / 575 at sixteen; 16 lanes (avx512) 73 / 128 / 419 at one row, 155 / 372 / 453 at
-# eight, 297 / 749 / 543 at sixteen.
+# float32 rows on the blocked copy (csrc/int4_blocked_f32_cpu.cpp), by the kernel's vector width.
+# SmolLM2's four projections, 2-core Zen 5, benchmarks/int4_gemv.py --float32, microseconds, blocked /
+# row kernel / float32 weight (our panels on avx2, oneDNN on avx512): 8 lanes (avx2) 88 / 112 / 332 at
+# one row, 308 / 315 / 408 at eight, 686 / 657 / 588 at sixteen; 16 lanes (avx512) 75 / 134 / 322 at
+# one row, 195 / 398 / 411 at eight, 361 / 787 / 511 at sixteen.
 INT4_BLOCKED_F32_MAX_ROWS = {8: 8, 16: 16}
 
 # int4_linear's ``method``: 0 picks by the number of rows, 1 forces the row kernel, 2 the tile kernel,

@@ -33,11 +33,15 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.int4 import (
+    BLOCK_OUTPUTS,
     INT4_BLOCKED_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
     block_fifth_bits,
+    block_int4_layout,
     blocked_copy,
     blocked_takes,
+    float32_max_rows,
+    int4_blocked_f32_lanes,
 )
 
 GROUP_SIZE = 32
@@ -57,15 +61,37 @@ class LevelWeight:
     _blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
         default=None, repr=False, compare=False
     )
+    # The same layout for float32 rows (:meth:`blocked_f32`), made on first use.
+    _blocked_f32: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.max_rows <= 0:
             blocked = blocked_takes(self.packed.shape[0])
             self.max_rows = INT4_BLOCKED_MAX_ROWS if blocked else INT4_PAIRS_MAX_ROWS
 
+    @property
+    def float32_max_rows(self) -> int:
+        """The most float32 rows a step takes the blocked kernel for float32 rows for: 4-bit levels
+        whose outputs are a multiple of 16 where that kernel runs; else 0 (the float32 weight)."""
+        return float32_max_rows(self.packed.shape[0]) if self.blocked_f32() is not None else 0
+
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the kernel: 2-D bfloat16 with 1 to ``max_rows`` rows."""
-        return x.dim() == 2 and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= self.max_rows
+        """Whether ``x`` goes through the kernels: 2-D bfloat16 with 1 to ``max_rows`` rows, or float32
+        with 1 to ``float32_max_rows``."""
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        return 0 < x.shape[0] <= (self.max_rows if x.dtype == torch.bfloat16 else self.float32_max_rows)
+
+    def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(packed, scales, mins)`` in the blocked layout for float32 rows
+        (``csrc/int4_blocked_f32_cpu.cpp``, 4-bit levels only), or None where it does not serve."""
+        if self.high is not None or self.packed.shape[0] % BLOCK_OUTPUTS or not int4_blocked_f32_lanes():
+            return None
+        if self._blocked_f32 is None:
+            self._blocked_f32 = block_int4_layout(self.packed, self.scales, self.mins)
+        return self._blocked_f32
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(packed, scales, mins, high)`` as ``level_sums_linear`` takes them: the blocked kernel's copy
@@ -79,8 +105,10 @@ class LevelWeight:
         return self._blocked or (self.packed, self.scales, self.mins, self.high)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` ``[rows, out_features]`` in bfloat16 with the exact values (float32 sums)."""
+        """``x @ W.T`` ``[rows, out_features]`` in x's dtype with the exact values (float32 sums)."""
         x = x if x.stride(1) == 1 else x.contiguous()
+        if x.dtype == torch.float32 and (blocked := self.blocked_f32()) is not None:
+            return torch.ops.tokenmill.level_sums_linear(x, *blocked, None)
         return torch.ops.tokenmill.level_sums_linear(x, *self.kernel_tensors())
 
     def levels(self) -> torch.Tensor:

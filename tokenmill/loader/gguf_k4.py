@@ -7,7 +7,7 @@ loaded, :func:`keep_exact_k4` reads the Q4_K tensors again from the memory-mappe
 into levels, float32 scales and minimums (the block layout as the ``gguf`` package reads it: float16
 ``d`` and ``dmin``, 12 bytes of 6-bit sub-block scales and minimums, 128 bytes of levels whose low
 nibbles are sub-block ``2 j``'s and high nibbles sub-block ``2 j + 1``'s), and gives the copy to each
-linear layer whose bfloat16 weight equals those values rounded: matched by content, so names,
+linear layer whose bfloat16 weight equals those values rounded (or whose float32 weight equals them): matched by content, so names,
 merges and layout fixes need no mapping, and a layer that is not exactly such a tensor (a merged or
 re-laid-out one, a weight changed since) is never given one.
 """
@@ -23,7 +23,7 @@ from gguf.quants import Q4_K
 from torch import nn
 
 from tokenmill.layers.cpu_kernels import load_error
-from tokenmill.layers.int4 import int4_pairs_available
+from tokenmill.layers.int4 import BLOCK_OUTPUTS, int4_blocked_f32_lanes, int4_pairs_available
 from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.layers.linear import LinearBase
 from tokenmill.loader.gguf_loader import open_reader
@@ -54,7 +54,7 @@ def decode_q4_k(blocks: np.ndarray, out_features: int, in_features: int) -> _Lev
 
 
 def _key(shape: tuple[int, ...], first_row: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
-    """A bfloat16 weight's shape and its first row's bytes: the index its candidate layers are found by."""
+    """A weight's shape and its first row's bytes in bfloat16: the index its candidate layers are found by."""
     return tuple(shape), first_row.contiguous().view(torch.int16).numpy().tobytes()
 
 
@@ -80,16 +80,21 @@ def _packed(decoded: _LevelsAndScales) -> _LevelsAndScales:
 
 
 def keep_exact_k4(model: nn.Module, path: str) -> int:
-    """Give each bfloat16 CPU linear layer with no exact copy yet (int4, 8-bit groups, int8) the Q4_K
-    tensor of the GGUF at ``path`` whose values it holds exactly, as ``level_weight``; returns how many.
-    0 (nothing changes) without the level-sums kernel (AVX512-BF16)."""
-    if load_error() is not None or not int4_pairs_available():
+    """Give each bfloat16 or float32 CPU linear layer with no exact copy yet (int4, 8-bit groups, int8)
+    the Q4_K tensor of the GGUF at ``path`` whose values it holds exactly, as ``level_weight``; returns
+    how many. Bfloat16 layers need the level-sums kernel (AVX512-BF16), float32 ones the blocked kernel
+    for float32 rows (AVX2; outputs a multiple of 16); without them nothing changes."""
+    if load_error() is not None:
         return 0
+    dtypes = {torch.bfloat16} if int4_pairs_available() else set()
+    if int4_blocked_f32_lanes():
+        dtypes.add(torch.float32)
     candidates: dict[tuple[tuple[int, ...], bytes], list[LinearBase]] = {}
     for module in model.modules():
         if (
             isinstance(module, LinearBase)
-            and module.weight.dtype == torch.bfloat16
+            and module.weight.dtype in dtypes
+            and (module.weight.dtype == torch.bfloat16 or module.weight.shape[0] % BLOCK_OUTPUTS == 0)
             and module.weight.device.type == "cpu"
             and module.weight.dim() == 2
             and module.weight.shape[0] > 0
@@ -98,14 +103,16 @@ def keep_exact_k4(model: nn.Module, path: str) -> int:
             and module.int8_weight is None
         ):
             weight = module.weight.data
-            candidates.setdefault(_key(tuple(weight.shape), weight[0]), []).append(module)
+            candidates.setdefault(_key(tuple(weight.shape), weight[0].to(torch.bfloat16)), []).append(module)
     if not candidates:
         return 0
     count = 0
     for k4 in iter_q4_k(path, set(candidates)):
-        values = k4.dequantize().to(torch.bfloat16)  # [out, in]
-        for module in candidates.get(_key(tuple(values.shape), values[0]), []):
-            if module.level_weight is None and torch.equal(module.weight.data, values):
+        values = k4.dequantize()  # [out, in] float32
+        for module in candidates.get(_key(tuple(values.shape), values[0].to(torch.bfloat16)), []):
+            if module.level_weight is None and torch.equal(
+                module.weight.data, values.to(module.weight.dtype)
+            ):
                 module.level_weight = k4
                 count += 1
     return count

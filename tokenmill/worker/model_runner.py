@@ -171,7 +171,12 @@ class ModelRunner:
             kind is None
         )  # the deterministic mode runs them on their row kernels (batch_invariant.py)
         exact_int4, exact_q8 = self._keep_exact_copies() if keep_exact else (0, 0)
-        if keep_exact and gguf is not None and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        if (
+            keep_exact
+            and gguf is not None
+            and self.device.type == "cpu"
+            and self.dtype in (torch.bfloat16, torch.float32)
+        ):
             exact_int4 += keep_exact_k4(self.model, gguf)
         prepare_for_inference(self.model)
         if self.config.deterministic:

@@ -119,14 +119,6 @@ void part_dispatch(int64_t rows, const float* scaled, int64_t in, const float* s
 
 namespace tokenmill::ops {
 
-bool int4_blocked_f32_available() {
-#ifdef TOKENMILL_BLOCKED_F32
-  return true;
-#else
-  return false;
-#endif
-}
-
 // Outputs per vector (16 with AVX-512F, 8 with AVX2), 0 where the kernel is not built.
 int64_t int4_blocked_f32_lanes() {
 #ifdef TOKENMILL_BLOCKED_F32
@@ -135,6 +127,8 @@ int64_t int4_blocked_f32_lanes() {
   return 0;
 #endif
 }
+
+bool int4_blocked_f32_available() { return int4_blocked_f32_lanes() > 0; }
 
 // x [rows, in] float32 (1 or more rows, contiguous features) times the weight in the blocked layout
 // (checked by the caller, int4_linear_blocked); [rows, blocks * 16] float32.

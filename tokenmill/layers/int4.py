@@ -187,11 +187,18 @@ def int4_blocked_f32_lanes() -> int:
     return int(torch.ops.tokenmill.int4_blocked_f32_lanes())
 
 
+def blocked_f32_takes(out_features: int) -> bool:
+    """Whether the blocked kernels for float32 rows run here and take a weight with ``out_features``
+    outputs (a multiple of 16): then they take float32 steps of 1 to ``INT4_BLOCKED_F32_MAX_ROWS``
+    rows for their vector width."""
+    return out_features % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_f32_lanes() > 0
+
+
 def float32_max_rows(out_features: int) -> int:
     """The most float32 rows a step sends through the int4 kernels for a weight with ``out_features``
-    outputs: the blocked kernel's bound where it takes the weight (outputs a multiple of 16), else
+    outputs: the blocked kernel's bound where it takes the weight (:func:`blocked_f32_takes`), else
     ``INT4_FLOAT32_MAX_ROWS`` (the row kernel)."""
-    if out_features % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_f32_lanes() > 0:
+    if blocked_f32_takes(out_features):
         return INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()]
     return INT4_FLOAT32_MAX_ROWS
 
@@ -300,9 +307,7 @@ class Int4Weight:
         """The same layout for float32 steps of 1 to ``float32_max_rows`` rows where the float32 blocked
         kernel runs (:func:`int4_blocked_f32_lanes`) and the outputs are a multiple of 16, else None
         (those steps take the row kernel, ``csrc/group_gemm_f32_cpu.cpp``)."""
-        if self.packed.shape[0] % BLOCK_OUTPUTS or load_error() is not None or not int4_blocked_f32_lanes():
-            return None
-        return self._layout()
+        return self._layout() if blocked_f32_takes(self.packed.shape[0]) else None
 
     def triple(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tensors ``int4_linear`` multiplies a step of ``rows`` rows of ``dtype`` with (auto method):

@@ -33,15 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.int4 import (
-    BLOCK_OUTPUTS,
     INT4_BLOCKED_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
     block_fifth_bits,
     block_int4_layout,
     blocked_copy,
+    blocked_f32_takes,
     blocked_takes,
     float32_max_rows,
-    int4_blocked_f32_lanes,
 )
 
 GROUP_SIZE = 32
@@ -61,21 +60,20 @@ class LevelWeight:
     _blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
         default=None, repr=False, compare=False
     )
+    # The most float32 rows a step takes the blocked kernel for float32 rows for: 4-bit levels whose
+    # outputs it takes (int4.py blocked_f32_takes); else 0 (the float32 weight).
+    float32_max_rows: int = field(init=False, default=0)
     # The same layout for float32 rows (:meth:`blocked_f32`), made on first use.
     _blocked_f32: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
+        out_features = self.packed.shape[0]
         if self.max_rows <= 0:
-            blocked = blocked_takes(self.packed.shape[0])
-            self.max_rows = INT4_BLOCKED_MAX_ROWS if blocked else INT4_PAIRS_MAX_ROWS
-
-    @property
-    def float32_max_rows(self) -> int:
-        """The most float32 rows a step takes the blocked kernel for float32 rows for: 4-bit levels
-        whose outputs are a multiple of 16 where that kernel runs; else 0 (the float32 weight)."""
-        return float32_max_rows(self.packed.shape[0]) if self.blocked_f32() is not None else 0
+            self.max_rows = INT4_BLOCKED_MAX_ROWS if blocked_takes(out_features) else INT4_PAIRS_MAX_ROWS
+        if self.high is None and blocked_f32_takes(out_features):
+            self.float32_max_rows = float32_max_rows(out_features)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the kernels: 2-D bfloat16 with 1 to ``max_rows`` rows, or float32
@@ -87,7 +85,7 @@ class LevelWeight:
     def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(packed, scales, mins)`` in the blocked layout for float32 rows
         (``csrc/int4_blocked_f32_cpu.cpp``, 4-bit levels only), or None where it does not serve."""
-        if self.high is not None or self.packed.shape[0] % BLOCK_OUTPUTS or not int4_blocked_f32_lanes():
+        if self.float32_max_rows == 0:
             return None
         if self._blocked_f32 is None:
             self._blocked_f32 = block_int4_layout(self.packed, self.scales, self.mins)

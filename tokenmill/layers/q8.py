@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.cpu_kernels import load_error
-from tokenmill.layers.int4 import INT4_BLOCKED_F32_MAX_ROWS, int4_blocked_f32_lanes
+from tokenmill.layers.int4 import (
+    BLOCK_OUTPUTS,
+    INT4_BLOCKED_F32_MAX_ROWS,
+    blocked_f32_takes,
+    int4_blocked_f32_lanes,
+)
 
 GROUP_SIZE = 32
 # Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values, or matches it: on
@@ -35,10 +40,9 @@ Q8_MAX_ROWS = 5
 # float32 rows: the same bound as int4's on float32 rows (layers/int4.py INT4_FLOAT32_MAX_ROWS, measured
 # on the projections and this head together).
 Q8_FLOAT32_MAX_ROWS = 3
-# float32 rows on the blocked copy (csrc/q8_blocked_f32_cpu.cpp), the int4 blocked kernel's bounds by
-# vector width (layers/int4.py INT4_BLOCKED_F32_MAX_ROWS): on SmolLM2's head (49152 x 576, 2-core Zen
-# 5) the row kernel beat the float32 weight at every row count to 8 (2.39 against 2.77 ms at 8 rows).
-BLOCK_OUTPUTS = 16
+# float32 rows on the blocked copy (csrc/q8_blocked_f32_cpu.cpp) take the int4 blocked kernel's bounds
+# by vector width (layers/int4.py INT4_BLOCKED_F32_MAX_ROWS): on SmolLM2's head (49152 x 576, 2-core
+# Zen 5) even the row kernel beat the float32 weight at every row count to 8 (2.39 against 2.77 ms at 8).
 
 
 def block_q8_layout(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,17 +116,15 @@ class Q8Weight:
 
     def __post_init__(self) -> None:
         if self.float32_max_rows <= 0:
-            serves = (
-                self.q.shape[0] % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_f32_lanes()
-            )
+            blocked = blocked_f32_takes(self.q.shape[0])
             self.float32_max_rows = (
-                INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()] if serves else Q8_FLOAT32_MAX_ROWS
+                INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()] if blocked else Q8_FLOAT32_MAX_ROWS
             )
 
     def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(q, scales)`` in the blocked layout for float32 steps where its kernel runs and the
         outputs are a multiple of 16 (made on first use), else None."""
-        if self.q.shape[0] % BLOCK_OUTPUTS or load_error() is not None or not int4_blocked_f32_lanes():
+        if not blocked_f32_takes(self.q.shape[0]):
             return None
         if self._blocked is None:
             self._blocked = block_q8_layout(self.q, self.scales)

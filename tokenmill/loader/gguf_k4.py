@@ -7,9 +7,9 @@ loaded, :func:`keep_exact_k4` reads the Q4_K tensors again from the memory-mappe
 into levels, float32 scales and minimums (the block layout as the ``gguf`` package reads it: float16
 ``d`` and ``dmin``, 12 bytes of 6-bit sub-block scales and minimums, 128 bytes of levels whose low
 nibbles are sub-block ``2 j``'s and high nibbles sub-block ``2 j + 1``'s), and gives the copy to each
-linear layer whose bfloat16 weight equals those values rounded (or whose float32 weight equals them): matched by content, so names,
-merges and layout fixes need no mapping, and a layer that is not exactly such a tensor (a merged or
-re-laid-out one, a weight changed since) is never given one.
+linear layer whose bfloat16 weight equals those values rounded (or whose float32 weight equals
+them): matched by content, so names, merges and layout fixes need no mapping, and a layer that is
+not exactly such a tensor (a merged or re-laid-out one, a weight changed since) is never given one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from gguf.quants import Q4_K
 from torch import nn
 
 from tokenmill.layers.cpu_kernels import load_error
-from tokenmill.layers.int4 import BLOCK_OUTPUTS, int4_blocked_f32_lanes, int4_pairs_available
+from tokenmill.layers.int4 import blocked_f32_takes, int4_pairs_available
 from tokenmill.layers.level_sums import LevelWeight, pack_levels
 from tokenmill.layers.linear import LinearBase
 from tokenmill.loader.gguf_loader import open_reader
@@ -86,15 +86,15 @@ def keep_exact_k4(model: nn.Module, path: str) -> int:
     for float32 rows (AVX2; outputs a multiple of 16); without them nothing changes."""
     if load_error() is not None:
         return 0
-    dtypes = {torch.bfloat16} if int4_pairs_available() else set()
-    if int4_blocked_f32_lanes():
-        dtypes.add(torch.float32)
+    bfloat16 = int4_pairs_available()
     candidates: dict[tuple[tuple[int, ...], bytes], list[LinearBase]] = {}
     for module in model.modules():
         if (
             isinstance(module, LinearBase)
-            and module.weight.dtype in dtypes
-            and (module.weight.dtype == torch.bfloat16 or module.weight.shape[0] % BLOCK_OUTPUTS == 0)
+            and (
+                (module.weight.dtype == torch.bfloat16 and bfloat16)
+                or (module.weight.dtype == torch.float32 and blocked_f32_takes(module.weight.shape[0]))
+            )
             and module.weight.device.type == "cpu"
             and module.weight.dim() == 2
             and module.weight.shape[0] > 0

@@ -134,6 +134,34 @@ def test_classes_are_measured_apart_and_a_change_is_followed() -> None:
     assert payoff.should_draft(16)
 
 
+def test_a_model_drafter_re_measures_a_class_after_an_interval_times_its_smallest_batch() -> None:
+    """With ``batch_scaled_exploring`` (a drafter that catches up over skipped positions when it
+    drafts again) plain winning at 16-31 sequences is re-measured after 16 times the interval; one
+    sequence keeps the base intervals, doubling as before; 4-7 sequences wait 4 times as long."""
+    large = measured(
+        drafted_rate=50, plain_rate=100, num_seqs=16, explore_every=8, batch_scaled_exploring=True
+    )
+    decisions = [large.should_draft(20) for _ in range(8 * 16 + 3)]
+    assert [i for i, d in enumerate(decisions) if d] == [127, 128, 129]
+    single = measured(
+        drafted_rate=50, plain_rate=100, explore_every=8, max_explore_every=32, batch_scaled_exploring=True
+    )
+    decisions = [single.should_draft(1) for _ in range(64)]
+    assert [i for i, d in enumerate(decisions) if d] == [7, 8, 9, 23, 24, 25, 55, 56, 57]
+    borrowed = measured(drafted_rate=50, plain_rate=100, explore_every=8, batch_scaled_exploring=True)
+    decisions = [borrowed.should_draft(5) for _ in range(8 * 4 + 3)]  # plain borrowed from one sequence
+    assert [i for i, d in enumerate(decisions) if d] == [31, 32, 33]
+
+
+def test_the_scheduler_state_scales_exploring_for_model_drafters_only() -> None:
+    def scaled(method: str, model: str | None) -> bool:
+        config = SpeculativeConfig(method=method, model=model, num_speculative_tokens=4)
+        return SpecDecodeState(config, StepTimeModel()).payoff.batch_scaled_exploring
+
+    assert not scaled("ngram", None)
+    assert scaled("eagle", "/a/head") and scaled("eagle3", "/a/head") and scaled("draft_model", "/a/model")
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="explore_every >= 2"):
         DraftPayoff(explore_every=1)

@@ -71,9 +71,11 @@ class SpecDecodeState:
         k = 0 if config is None else config.num_speculative_tokens
         self.proposed_at = [0] * k  # per draft position: drafts verified there
         self.accepted_at = [0] * k  # per draft position: drafts accepted there
-        self.payoff = DraftPayoff()
         # Whether proposing that finds nothing costs nothing (a lookup, no model pass): see observe_step.
         self.free_misses = config is not None and config.method == "ngram"
+        # A drafter that runs a model catches up over the positions it skipped when drafting resumes:
+        # re-measuring it costs more the larger the batch (core/spec_payoff.py).
+        self.payoff = DraftPayoff(batch_scaled_exploring=not self.free_misses)
         self._paused = False  # the gate stopped drafting for the step being planned
         # The gate's decision for the next step, made a step ahead so that the runner drafts (after
         # sampling this step) only for a step that will verify drafts: the plan's ``propose_drafts``.

@@ -40,6 +40,15 @@ class can borrow a verdict or one side already wins clearly:
   copy-heavy prompts (plain steps over long code prompts, n-gram drafts winning 1.4x) a chat
   workload's drafted rate is compared with the code's plain rate until an exploring run renews it
   (with a cap of 256 steps, single-stream chat after code fell from 1.04-1.11x to 0.98x).
+- With ``batch_scaled_exploring`` (drafters that run a model: a draft model, an EAGLE head, an MTP
+  layer) a class's interval is multiplied by its smallest batch size (16 for 16-31 sequences; one
+  sequence explores as above). Such a drafter's exploring run starts by catching it up over every
+  position it skipped, for every sequence of the batch, and its verifying steps carry the batch's
+  extra rows: at 16 concurrent on SmolLM2 with an EAGLE head, exploring every 32-64 steps cost a
+  tenth of the throughput (0.90x of speculation off, lowest 0.84x over three rounds) against
+  0.96-1.03x with no re-measuring at all; a request then mostly ends before its class explores again,
+  so the drafter never catches up over it. An n-gram lookup has no such cost and keeps the base
+  intervals.
 
 Ints and floats only, no torch, no clock: the caller passes each step's measured seconds.
 """
@@ -105,6 +114,7 @@ class DraftPayoff:
         run_length: int = 3,
         decisive_margin: float = 1.3,
         max_explore_every: int = 64,
+        batch_scaled_exploring: bool = False,
     ) -> None:
         if (
             min_samples < 1
@@ -124,6 +134,7 @@ class DraftPayoff:
         self.run_length = run_length
         self.decisive_margin = decisive_margin
         self.max_explore_every = max_explore_every
+        self.batch_scaled_exploring = batch_scaled_exploring
         self._classes: dict[int, _BatchClass] = {}
 
     def _class(self, num_seqs: int) -> _BatchClass:
@@ -151,12 +162,17 @@ class DraftPayoff:
                 )
                 interval = min(2 * interval, self.max_explore_every) if clear else self.explore_every
                 batch.explore_every, batch.explored_from = interval, None
-            if batch.since_explored < interval:
+            if batch.since_explored < interval * self._explore_scale(num_seqs):
                 return verdict
             batch.since_explored, batch.explored_from = 0, verdict
             side = not verdict
         batch.run_side, batch.run_left = side, self.run_length - 1
         return side
+
+    def _explore_scale(self, num_seqs: int) -> int:
+        """What a class's exploring interval is multiplied by: its smallest batch size with
+        ``batch_scaled_exploring``, else 1."""
+        return 1 << (num_seqs.bit_length() - 1) if self.batch_scaled_exploring else 1
 
     def verdict(self, num_seqs: int) -> bool | None:
         """Whether drafting wins for ``num_seqs`` sequences: the class's own measurement, else one

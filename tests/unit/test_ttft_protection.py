@@ -18,7 +18,7 @@ from test_tiers import TierHarness, ids
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig, TierConfig, build_engine_config
 from tokenmill.core.step_io import SchedulerOutput
-from tokenmill.core.step_time import StepTimeModel
+from tokenmill.core.step_time import CLIP_REFIT_EVERY, StepTimeModel
 from tokenmill.engine_args import add_engine_args, engine_kwargs
 
 # The fake machine: 2 ms per step, 0.5 ms per token, 1 ms per sequence.
@@ -128,6 +128,22 @@ def test_the_model_bounds_tokens_near_the_steps_it_has_seen() -> None:
         model.observe(8, 8, FIXED + PER_TOKEN * 8 + PER_SEQ * 8)
     assert model.tokens_within(1.0, 1) == 2 * 512 * 0.5**4
     assert model.tokens_within(0.0106, 1) == 15  # the fit's own bound, below the cap
+
+
+def test_observing_solves_the_fit_once_in_a_while_and_predictions_see_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An observation is bounded by a fit at most ``CLIP_REFIT_EVERY`` observations old (solving the
+    fit per step was a tenth of a decode step's Python time); ``predict`` still fits them all."""
+    model = StepTimeModel(decay=0.9, min_observations=5)
+    solves = []
+    solve = model._solve
+    monkeypatch.setattr(model, "_solve", lambda: solves.append(model.num_observations) or solve())
+    for step in range(5 + 3 * CLIP_REFIT_EVERY):
+        model.observe(8, 8, FIXED + PER_TOKEN * 8 + PER_SEQ * 8 + 1e-4 * (step % 2))
+    assert solves == [5, 5 + CLIP_REFIT_EVERY, 5 + 2 * CLIP_REFIT_EVERY]
+    model.observe(300, 1, FIXED + PER_TOKEN * 300 + PER_SEQ)  # a shape the clip's fit has not seen
+    assert model.predict(300, 1) is not None and solves[-1] == model.num_observations
 
 
 def test_the_model_follows_a_machine_that_slows_down_but_not_one_freak_step() -> None:

@@ -17,6 +17,10 @@ is kept, which is the cautious one for bounding prefill chunks. Squared errors m
 (a page-fault storm, a garbage-collector pause, another process taking the cores) weigh for a long
 time, so once the model predicts, an observation is counted as at most ``outlier_factor`` times its
 prediction: a machine that really slows down is still followed, by that factor per step at most.
+That prediction comes from a fit refreshed every ``CLIP_REFIT_EVERY`` observations rather than
+solved anew for each (seven small least-squares solves in Python, ~25 us, were a tenth of a
+single-stream decode step's Python time); callers of ``coefficients`` / ``predict`` /
+``tokens_within`` still get the fit of every observation so far.
 A fit is trusted only near the steps it has seen: ``tokens_within`` never answers more than
 ``TRUST_FACTOR`` times the largest recent step. Ints and floats only, no torch.
 """
@@ -27,6 +31,8 @@ import math
 
 # tokens_within answers at most this many times the largest recent step (in tokens).
 TRUST_FACTOR = 2.0
+# observe bounds an outlier with a fit at most this many observations old.
+CLIP_REFIT_EVERY = 16
 # Term subsets tried, in order of preference when fits are equally good (the per-token term first).
 _SUBSETS: tuple[tuple[int, ...], ...] = ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (0,), (2,))
 
@@ -53,12 +59,14 @@ class StepTimeModel:
         self._fit: tuple[float, float, float] | None = None
         self._stale = False
         self._largest_recent_step = 0.0  # tokens, decayed per observation (see tokens_within)
+        self._clip_fit: tuple[float, float, float] | None = None  # observe's fit (see the module docstring)
+        self._clip_fit_at = 0  # num_observations when it was taken
 
     def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Record that a step of ``num_tokens`` tokens over ``num_seqs`` sequences took ``seconds``."""
         if num_tokens <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
-        predicted = self.predict(num_tokens, num_seqs)
+        predicted = self._clip_prediction(num_tokens, num_seqs)
         if predicted is not None and predicted > 0.0:
             seconds = min(seconds, self.outlier_factor * predicted)
         x = (1.0, float(num_tokens), float(num_seqs))
@@ -80,6 +88,18 @@ class StepTimeModel:
             self._fit = self._solve()
             self._stale = False
         return self._fit
+
+    def _clip_prediction(self, num_tokens: int, num_seqs: int) -> float | None:
+        """The prediction an observation is bounded by: the fit of all observations up to at most
+        ``CLIP_REFIT_EVERY`` ago (None before ``min_observations``)."""
+        if self.num_observations < self.min_observations:
+            return None
+        if self._clip_fit_at == 0 or self.num_observations - self._clip_fit_at >= CLIP_REFIT_EVERY:
+            self._clip_fit, self._clip_fit_at = self.coefficients, self.num_observations
+        if self._clip_fit is None:
+            return None
+        a, b, c = self._clip_fit
+        return a + b * num_tokens + c * num_seqs
 
     def predict(self, num_tokens: int, num_seqs: int) -> float | None:
         """Predicted seconds of a step of ``num_tokens`` tokens over ``num_seqs`` sequences (None: unknown)."""

@@ -136,9 +136,14 @@ def test_observing_solves_the_fit_once_in_a_while_and_predictions_see_every_step
     """An observation is bounded by a fit at most ``CLIP_REFIT_EVERY`` observations old (solving the
     fit per step was a tenth of a decode step's Python time); ``predict`` still fits them all."""
     model = StepTimeModel(decay=0.9, min_observations=5)
-    solves = []
+    solves: list[int] = []
     solve = model._solve
-    monkeypatch.setattr(model, "_solve", lambda: solves.append(model.num_observations) or solve())
+
+    def counted() -> tuple[float, float, float] | None:
+        solves.append(model.num_observations)
+        return solve()
+
+    monkeypatch.setattr(model, "_solve", counted)
     for step in range(5 + 3 * CLIP_REFIT_EVERY):
         model.observe(8, 8, FIXED + PER_TOKEN * 8 + PER_SEQ * 8 + 1e-4 * (step % 2))
     assert solves == [5, 5 + CLIP_REFIT_EVERY, 5 + 2 * CLIP_REFIT_EVERY]

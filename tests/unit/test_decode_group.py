@@ -23,12 +23,13 @@ DECODES = [
 def test_decode_group_equals_the_general_builder(members: list[SequenceStep], window: int | None) -> None:
     fast = build_decode_group(members, 16, window, torch.device("cpu"))
     general = build_group(members, 16, window, torch.device("cpu"))
-    for field in dataclasses.fields(general):
-        a, b = getattr(fast, field.name), getattr(general, field.name)
+    names = [f.name for f in dataclasses.fields(general) if f.name != "gather_plan"] + ["kv_slots", "mask"]
+    for name in names:
+        a, b = getattr(fast, name), getattr(general, name)
         if isinstance(b, torch.Tensor):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), field.name
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
         else:
-            assert a == b, field.name
+            assert a == b, name
 
 
 def test_decode_group_refuses_chunks() -> None:

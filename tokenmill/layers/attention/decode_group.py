@@ -36,15 +36,18 @@ def build_decode_group(
     starts = torch.tensor(start_list, dtype=torch.long)  # [S]
     offsets = [s.row_offset for s in members]
     row_offsets = torch.tensor(offsets, dtype=torch.long)  # [S]
-    key_index = torch.arange(num_keys)  # [K]
-    kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
-    mask = key_index[None, :] <= starts[:, None]  # [S, K]
-    if sliding_window is not None:
-        mask &= key_index[None, :] > starts[:, None] - sliding_window
+
+    def gather_plan() -> tuple[torch.Tensor, torch.Tensor]:
+        key_index = torch.arange(num_keys)  # [K]
+        kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
+        mask = key_index[None, :] <= starts[:, None]  # [S, K]
+        if sliding_window is not None:
+            mask &= key_index[None, :] > starts[:, None] - sliding_window
+        return kv_slots.to(device), mask[:, None, None, :].to(device)  # [S, K], [S, 1, 1, K]
+
     return AttentionGroup(
         query_rows=row_offsets[:, None].to(device),  # [S, 1]
-        kv_slots=kv_slots.to(device),
-        mask=mask[:, None, None, :].to(device),  # [S, 1, 1, K]
+        gather_plan=gather_plan,
         valid_rows=row_offsets.to(device),
         valid_index=torch.arange(len(members), device=device),
         num_queries=1,

@@ -7,6 +7,7 @@ per-sequence facts; every layer of the step shares it, so nothing here is rebuil
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,10 @@ class AttentionGroup:
     (padding points at row 0 and is masked out); ``kv_slots[s, j]`` is the flat KV-cache slot of the
     sequence's ``j``-th token; ``mask[s, 0, q, j]`` says whether query ``q`` may attend to key ``j``
     (causal, inside the sequence). ``valid_rows`` lists the real query rows in ``[S * Q]`` order
-    and ``valid_index`` their flat positions in the padded ``[S * Q]`` layout.
+    and ``valid_index`` their flat positions in the padded ``[S * Q]`` layout. ``kv_slots`` and
+    ``mask`` serve attention that gathers the keys; they are built by ``gather_plan`` on first use, so
+    a step whose kernels read the paged cache in place never builds them (a decode step's ~8 tensor
+    operations, a prompt chunk's ``[S, Q, K]`` mask).
 
     For kernels that read the paged cache directly instead of gathering: ``block_tables[s]`` lists
     the sequence's physical blocks (padded with block 0), ``seq_lens[s]`` its length after this step,
@@ -31,16 +35,30 @@ class AttentionGroup:
     """
 
     query_rows: torch.Tensor  # [S, Q] int64
-    kv_slots: torch.Tensor  # [S, K] int64
-    mask: torch.Tensor  # [S, 1, Q, K] bool
     valid_rows: torch.Tensor  # [num_valid] int64
     valid_index: torch.Tensor  # [num_valid] int64
     num_queries: int  # Q
+    # () -> (kv_slots [S, K] int64, mask [S, 1, Q, K] bool), called once, on first use of either.
+    gather_plan: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False, compare=False)
     block_tables: torch.Tensor | None = None  # [S, max_blocks] int64
     seq_lens: torch.Tensor | None = None  # [S] int64
     sliding_window: int | None = None
     spans: list[tuple[int, int, int]] | None = None
     _additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def _gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gather_plan()
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """``[S, K]`` int64: the flat KV-cache slot of each sequence's keys."""
+        return self._gathered[0]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[S, 1, Q, K]`` bool: which keys each query may attend to."""
+        return self._gathered[1]
 
     @functools.cached_property
     def first_row(self) -> int | None:

@@ -240,18 +240,21 @@ def build_group(
     q_index = torch.arange(num_queries)  # [Q]
     valid = q_index[None, :] < num_new[:, None]  # [S, Q]
     query_rows = torch.where(valid, row_offsets[:, None] + q_index[None, :], 0)  # [S, Q]
-    key_index = torch.arange(num_keys)  # [K]
-    kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
-    query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
-    mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
-    if sliding_window is not None:
-        # A query sees only the last `sliding_window` positions, itself included.
-        mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
+
+    def gather_plan() -> tuple[torch.Tensor, torch.Tensor]:
+        key_index = torch.arange(num_keys)  # [K]
+        kv_slots = tables[:, key_index // bs] * bs + key_index % bs  # [S, K]
+        query_pos = starts[:, None] + q_index[None, :]  # [S, Q]
+        mask = (key_index[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]  # [S, Q, K]
+        if sliding_window is not None:
+            # A query sees only the last `sliding_window` positions, itself included.
+            mask &= key_index[None, None, :] > query_pos[:, :, None] - sliding_window
+        return kv_slots.to(device), mask.unsqueeze(1).to(device)  # [S, K], [S, 1, Q, K]
+
     valid_index = valid.reshape(-1).nonzero().squeeze(1)  # [num_valid]
     return AttentionGroup(
         query_rows=query_rows.to(device),
-        kv_slots=kv_slots.to(device),
-        mask=mask.unsqueeze(1).to(device),
+        gather_plan=gather_plan,
         valid_rows=query_rows.reshape(-1)[valid_index].to(device),
         valid_index=valid_index.to(device),
         num_queries=num_queries,

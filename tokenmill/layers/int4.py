@@ -194,13 +194,14 @@ def blocked_f32_takes(out_features: int) -> bool:
     return out_features % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_f32_lanes() > 0
 
 
-def float32_max_rows(out_features: int) -> int:
-    """The most float32 rows a step sends through the int4 kernels for a weight with ``out_features``
-    outputs: the blocked kernel's bound where it takes the weight (:func:`blocked_f32_takes`), else
-    ``INT4_FLOAT32_MAX_ROWS`` (the row kernel)."""
+def float32_max_rows(out_features: int, otherwise: int = INT4_FLOAT32_MAX_ROWS) -> int:
+    """The most float32 rows a step sends through the kernels for a weight with ``out_features``
+    outputs: the blocked kernels' bound for their vector width where they take the weight
+    (:func:`blocked_f32_takes`), else ``otherwise`` (int4's row kernel bound by default; q8 passes its
+    own, a weight without a row kernel 0)."""
     if blocked_f32_takes(out_features):
         return INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()]
-    return INT4_FLOAT32_MAX_ROWS
+    return otherwise
 
 
 def blocked_takes(out_features: int) -> bool:

@@ -38,7 +38,6 @@ from tokenmill.layers.int4 import (
     block_fifth_bits,
     block_int4_layout,
     blocked_copy,
-    blocked_f32_takes,
     blocked_takes,
     float32_max_rows,
 )
@@ -72,8 +71,8 @@ class LevelWeight:
         out_features = self.packed.shape[0]
         if self.max_rows <= 0:
             self.max_rows = INT4_BLOCKED_MAX_ROWS if blocked_takes(out_features) else INT4_PAIRS_MAX_ROWS
-        if self.high is None and blocked_f32_takes(out_features):
-            self.float32_max_rows = float32_max_rows(out_features)
+        if self.high is None:
+            self.float32_max_rows = float32_max_rows(out_features, otherwise=0)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the kernels: 2-D bfloat16 with 1 to ``max_rows`` rows, or float32

@@ -21,12 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.cpu_kernels import load_error
-from tokenmill.layers.int4 import (
-    BLOCK_OUTPUTS,
-    INT4_BLOCKED_F32_MAX_ROWS,
-    blocked_f32_takes,
-    int4_blocked_f32_lanes,
-)
+from tokenmill.layers.int4 import BLOCK_OUTPUTS, blocked_f32_takes, float32_max_rows
 
 GROUP_SIZE = 32
 # Up to this many rows the kernel beats oneDNN's bfloat16 GEMM on the same values, or matches it: on
@@ -116,10 +111,7 @@ class Q8Weight:
 
     def __post_init__(self) -> None:
         if self.float32_max_rows <= 0:
-            blocked = blocked_f32_takes(self.q.shape[0])
-            self.float32_max_rows = (
-                INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()] if blocked else Q8_FLOAT32_MAX_ROWS
-            )
+            self.float32_max_rows = float32_max_rows(self.q.shape[0], Q8_FLOAT32_MAX_ROWS)
 
     def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(q, scales)`` in the blocked layout for float32 steps where its kernel runs and the

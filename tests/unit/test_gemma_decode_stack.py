@@ -203,6 +203,24 @@ def test_steps_above_every_small_kernel_run_on_the_wide_stack_with_the_same_resu
     assert llm.engine.kv_manager.all_free_or_cached()
 
 
+def _give_downs_q4_k_like_groups(model: torch.nn.Module) -> list[LevelWeight]:
+    """Random exact 4-bit groups with float32 scales (a GGUF's Q4_K layers, ``layers/level_sums.py``)
+    as every layer's down projection, its weight set to their values in the weight's dtype; returns
+    them in layer order."""
+    torch.manual_seed(9)
+    given = []
+    for layer in model.layers:
+        down = layer.mlp.down_proj
+        out_features, in_features = down.weight.shape
+        levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+        scales = torch.rand(out_features, in_features // 32) * 0.02  # float32, not float16 values
+        k4 = LevelWeight(pack_levels(levels), scales, -8 * scales)
+        down.weight.data.copy_(k4.dequantize().to(down.weight.dtype))
+        down.level_weight = k4
+        given.append(k4)
+    return given
+
+
 @pytest.mark.skipif(not int4_pairs_available(), reason="the level-sums kernel needs AVX512-BF16")
 def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     gguf_like_folder: str, monkeypatch: pytest.MonkeyPatch
@@ -211,15 +229,7 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     ``layers/level_sums.py``) take ``level_sums_linear`` in the stack as in their modules."""
     llm = LLM(gguf_like_folder, dtype="bfloat16", num_blocks=64, block_size=4, enable_prefix_caching=False)
     model = llm.engine.executor.runner.model
-    torch.manual_seed(9)
-    for layer in model.layers:
-        down = layer.mlp.down_proj
-        out_features, in_features = down.weight.shape
-        levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
-        scales = torch.rand(out_features, in_features // 32) * 0.02  # float32, not float16 values
-        k4 = LevelWeight(pack_levels(levels), scales, -8 * scales)
-        down.weight.data.copy_(k4.dequantize().to(torch.bfloat16))
-        down.level_weight = k4
+    _give_downs_q4_k_like_groups(model)
     prepare_for_inference(model)  # the stack again, over the new weights
     stack = model.decode_stack
     assert stack is not None
@@ -350,16 +360,8 @@ def test_q4_k_like_layers_of_a_float32_model_take_the_blocked_kernel_in_the_stac
     their modules."""
     llm = LLM(gguf_like_folder, dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False)
     model = llm.engine.executor.runner.model
-    torch.manual_seed(9)
-    for layer in model.layers:
-        down = layer.mlp.down_proj
-        out_features, in_features = down.weight.shape
-        assert out_features % 16 == 0
-        levels = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
-        scales = torch.rand(out_features, in_features // 32) * 0.02
-        k4 = LevelWeight(pack_levels(levels), scales, -8 * scales)
-        down.weight.data.copy_(k4.dequantize())
-        down.level_weight = k4
+    for k4 in _give_downs_q4_k_like_groups(model):
+        assert k4.packed.shape[0] % 16 == 0
         assert k4.float32_max_rows == INT4_BLOCKED_F32_MAX_ROWS[int4_blocked_f32_lanes()]
     prepare_for_inference(model)
     down = model.layers[0].mlp.down_proj

@@ -13,7 +13,8 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_kernels, fused_cpu
 from tokenmill.layers.cpu_gemm import float32_panels_preferred
-from tokenmill.layers.int4 import BLOCK_OUTPUTS, int4_max_rows
+from tokenmill.layers.fused_decode_stack import PANELS_MAX_ROWS
+from tokenmill.layers.int4 import BLOCK_OUTPUTS, int4_blocked_available, int4_max_rows
 
 STACK_SIGNATURE = inspect.signature(fused_cpu.llama_decode_stack)
 
@@ -160,14 +161,15 @@ def test_steps_with_prompt_chunks_over_the_prefill_kernel_run_fused_with_the_sam
     assert not calls
 
 
-def test_steps_above_the_int4_kernels_rows_run_on_the_wide_stack_with_the_same_results(
+def test_steps_above_the_small_int4_kernels_rows_run_as_one_call_with_the_same_results(
     tiny_model,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A bfloat16 int4 stack carries a wide one on the layers' oneDNN-packed weights (where every
-    layer has them: oneDNN with bfloat16 kernels on this CPU): steps with more rows than the int4
-    kernels take (decodes of 12 sequences, without AMX; prompt steps of hundreds of rows) run as one
-    call too, with the same tokens and logprobs as the modules, bitwise."""
+    """Steps with more rows than the small-step int4 kernels take (decodes of 12 sequences without AMX;
+    prompt steps of hundreds of rows) run as one call too, with the same tokens and logprobs as the
+    modules, bitwise: where the blocked kernel runs, on the same stack (its wide kernel takes any number
+    of rows); elsewhere on a wide stack over the layers' oneDNN-packed weights (where every layer has
+    them: oneDNN with bfloat16 kernels on this CPU)."""
     llm = LLM(
         tiny_model("wide-heads").path,
         dtype="bfloat16",
@@ -178,6 +180,7 @@ def test_steps_above_the_int4_kernels_rows_run_on_the_wide_stack_with_the_same_r
     model = llm.engine.executor.runner.model
     stack = model.decode_stack
     assert stack is not None and stack.max_rows == int4_max_rows(BLOCK_OUTPUTS)
+    unbounded = stack.max_rows >= PANELS_MAX_ROWS
     packed = [
         linear.packed_weight
         for layer in model.layers
@@ -188,19 +191,21 @@ def test_steps_above_the_int4_kernels_rows_run_on_the_wide_stack_with_the_same_r
             layer.mlp.down_proj,
         )
     ]
-    if any(p is None or p.panels for p in packed):
+    if unbounded:
+        assert int4_blocked_available() and stack.wide is None
+    elif any(p is None or p.panels for p in packed):
         assert stack.wide is None
         return
-    wide = stack.wide
-    assert wide is not None and wide.dtype == torch.bfloat16 and wide.wide is None
-    assert [len(layer.weights) for layer in wide.layers] == [6, 6]
-    assert all(weight.is_mkldnn for layer in wide.layers for weight in layer.weights[2:])
+    else:
+        wide = stack.wide
+        assert wide is not None and wide.dtype == torch.bfloat16 and wide.wide is None
+        assert [len(layer.weights) for layer in wide.layers] == [6, 6]
+        assert all(weight.is_mkldnn for layer in wide.layers for weight in layer.weights[2:])
     calls = _count_stack_rows(monkeypatch)
     prompts = [[7 + (i * 13 + j) % 90 for j in range(20 + 4 * i)] for i in range(12)]
     fused = _generate(llm, prompts)
-    assert max(calls) > stack.max_rows  # the first step holds every prompt: over 400 rows
-    if stack.max_rows < len(prompts):
-        assert calls.count(len(prompts)) >= 10  # the decode steps of all twelve, on the wide stack
+    assert max(calls) > 400  # the first step holds every prompt
+    assert calls.count(len(prompts)) >= 10  # the decode steps of all twelve
 
     calls.clear()
     model.decode_stack = None  # the layer modules only

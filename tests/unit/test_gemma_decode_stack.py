@@ -28,7 +28,7 @@ from tokenmill.layers.gemma_decode_stack import (
 from tokenmill.layers.int4 import (
     BLOCK_OUTPUTS,
     INT4_BLOCKED_F32_MAX_ROWS,
-    INT4_BLOCKED_MAX_ROWS,
+    INT4_WIDE_MAX_ROWS,
     blocked_takes,
     int4_blocked_f32_lanes,
     int4_max_rows,
@@ -136,11 +136,11 @@ def test_int4_decode_steps_run_fused_with_the_same_tokens_and_logprobs(
     # Two attention kinds (sliding with the local rope, global with the scaled one), in layer order.
     assert stack.windows == [GEMMA3.kwargs["sliding_window"], None] and stack.layer_kinds == [0, 0, 1, 0]
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
-    # A batch of decodes is one call per step too (rows up to the int4 kernel's bound).
+    # A batch of decodes is one call per step too.
     calls = _count_stack_rows(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert calls.count(len(PROMPTS)) == 5  # (the prompts' step, 53 rows as decodes, on the wide stack)
+    assert calls.count(len(PROMPTS)) == 5  # the decode steps (the prompts' step has 53 rows)
     assert llm.engine.kv_manager.all_free_or_cached()
 
 
@@ -234,8 +234,8 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     stack = model.decode_stack
     assert stack is not None
     assert stack.kinds == [KIND_LEVELS, KIND_INT4, KIND_LEVELS, KIND_LEVELS] * NUM_LAYERS
-    # The blocked kernel's rows where it takes every projection (outputs a multiple of 16), else the
-    # level sums' 8.
+    # Any number of rows where the blocked and wide kernels take every projection (outputs a multiple
+    # of 16), else the level sums' 8.
     layer = model.layers[0]
     projections = (
         layer.self_attn.qkv_proj,
@@ -244,7 +244,7 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
         layer.mlp.down_proj,
     )
     blocked = all(blocked_takes(p.weight.shape[0]) for p in projections)
-    assert stack.max_rows == (INT4_BLOCKED_MAX_ROWS if blocked else 8)
+    assert stack.max_rows == (INT4_WIDE_MAX_ROWS if blocked else 8)
     _assert_same_as_the_modules(llm, PROMPTS, monkeypatch)
     # Steps of several decodes too (the kernel's multi-row passes, in the stack and in the modules).
     calls = _count_stack_rows(monkeypatch)
@@ -253,7 +253,7 @@ def test_q4_k_like_layers_take_the_level_sums_kernel_in_the_stack(
     fused = [
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)
     ]
-    assert calls.count(len(PROMPTS)) >= 5  # the decode steps (the prompts' step: the wide stack)
+    assert calls.count(len(PROMPTS)) >= 5  # the decode steps (the prompts' step has more rows)
     model.decode_stack = None
     assert [
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)

@@ -15,6 +15,7 @@ from tokenmill.layers.int4 import (
     INT4_BLOCKED_MAX_ROWS,
     INT4_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
+    INT4_WIDE_MAX_ROWS,
     METHOD_PAIRS,
     METHOD_ROWS,
     METHOD_TILES,
@@ -191,8 +192,9 @@ def test_the_tile_kernel_is_used_where_amx_is_granted_and_refused_elsewhere() ->
         one_row = int4_linear(x[:1], packed, scales, mins, None)
         assert torch.equal(one_row, int4_linear(x[:1], packed, scales, mins, None, small))
     else:
-        # The blocked kernel's rows for weights it takes (outputs a multiple of 16), else the row kernels'.
-        assert int4_max_rows(16) == (INT4_BLOCKED_MAX_ROWS if int4_blocked_available() else INT4_MAX_ROWS)
+        # Any number of rows for weights the blocked and wide kernels take (outputs a multiple of 16), else
+        # the row kernels' bound.
+        assert int4_max_rows(16) == (INT4_WIDE_MAX_ROWS if int4_blocked_available() else INT4_MAX_ROWS)
         assert int4_max_rows(40) == INT4_MAX_ROWS
         with pytest.raises(RuntimeError, match="the int4 tile path needs AMX"):
             int4_linear(x, packed, scales, mins, None, METHOD_TILES)
@@ -221,8 +223,10 @@ def test_layers_use_the_kernel_for_small_batches_and_the_same_weights_for_large(
     int4 = layer.int4_weight
     assert torch.equal(layer.weight.data, dequantize_int4_reference(int4.packed, int4.scales, int4.mins))
     assert not torch.equal(layer.weight.data, original)
-    x = torch.randn(int4.max_rows + 8, 128, dtype=BF16)
-    large = layer(x).float()  # oneDNN bfloat16 GEMM on the dequantized weight
+    # Past the int4 kernels' bound: oneDNN's bfloat16 GEMM on the dequantized weight; where there is none
+    # (the blocked copy's weights), the wide kernel.
+    x = torch.randn(min(int4.max_rows, 64) + 8, 128, dtype=BF16)
+    large = layer(x).float()
     small = layer(x[:4]).float()  # the int4 kernel
     assert torch.allclose(small, large[:4], rtol=2e-2, atol=2e-2)
     # The kernel the weight picks for 4 bfloat16 rows: its blocked copy's where it has one (96 outputs),
@@ -297,8 +301,12 @@ def test_engine_int4_gives_the_same_greedy_tokens_alone_and_in_a_large_batch(
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = [7, 8, 9, 10, 11]
     alone = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    # Past the int4 kernels' bound (the bfloat16 weight's steps), or where there is none (the blocked
+    # copy's weights) past the blocked kernel's (the wide kernel's steps).
+    bound = int4_max_rows(BLOCK_OUTPUTS)
     others = [
-        {"prompt_token_ids": [20 + i % 100, 30, 40 + i % 7]} for i in range(int4_max_rows(BLOCK_OUTPUTS) + 8)
+        {"prompt_token_ids": [20 + i % 100, 30, 40 + i % 7]}
+        for i in range((bound if bound < INT4_WIDE_MAX_ROWS else INT4_BLOCKED_MAX_ROWS) + 8)
     ]
     batch = llm.generate([{"prompt_token_ids": prompt}, *others], params, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone

@@ -1,8 +1,8 @@
 """The blocked int4 kernel (``csrc/int4_blocked_cpu.cpp``) over its copy of an int4 weight
 (``layers/int4.py`` ``block_int4_layout``): the layout holds the same levels and constants, the
 kernel computes with the exact values ``d * q + m``, a row's bits do not depend on the step's rows,
-and ``Int4Weight`` sends bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows to it; ``LevelWeight``
-(GGUF Q4_K / Q5_0 groups) too."""
+and ``Int4Weight`` sends bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows to it (larger ones to the
+wide kernel over the same copy: test_int4_wide.py); ``LevelWeight`` (GGUF Q4_K / Q5_0 groups) too."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tokenmill.layers.int4 import (
     BLOCK_OUTPUTS,
     INT4_BLOCKED_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
+    INT4_WIDE_MAX_ROWS,
     METHOD_ROWS,
     Int4Weight,
     block_int4_layout,
@@ -58,23 +59,23 @@ def test_the_blocked_layout_holds_each_level_where_the_kernel_reads_it() -> None
 @pytest.mark.parametrize("shape", [(960, 576), (16, 32), (48, 96), (576, 1536), (64, 544)])
 def test_the_blocked_kernel_computes_with_the_exact_weight_values(shape: tuple[int, int]) -> None:
     """d * sum(x q) + m * sum(x) per group, float32 sums, one bfloat16 rounding; every row count from 1
-    to past two passes of 8 rows over a block (and a larger step) gives each row the bits it has
-    alone."""
+    to the kernel's bound (two passes of 8 rows over a block) gives each row the bits it has alone."""
     out_features, in_features = shape
     packed, scales, mins = quantize_int4(torch.randn(shape) / in_features**0.5 + 0.01)
     weight = Int4Weight(packed, scales, mins)
     blocked = weight.blocked()
     assert blocked is not None
     exact_weight = dequantize_int4_float32(packed, scales, mins).double()  # [out, in]
-    x_all = torch.randn(27, in_features, dtype=BF16)
-    alone = [torch.ops.tokenmill.int4_linear(x_all[r : r + 1], *blocked) for r in range(27)]
-    assert weight.max_rows == INT4_BLOCKED_MAX_ROWS == 16
-    for rows in [*range(1, 18), 27]:
+    x_all = torch.randn(INT4_BLOCKED_MAX_ROWS, in_features, dtype=BF16)
+    alone = [
+        torch.ops.tokenmill.int4_linear(x_all[r : r + 1], *blocked) for r in range(INT4_BLOCKED_MAX_ROWS)
+    ]
+    assert INT4_BLOCKED_MAX_ROWS == torch.ops.tokenmill.int4_blocked_max_rows() == 16
+    for rows in range(1, INT4_BLOCKED_MAX_ROWS + 1):
         x = x_all[:rows]
         got = torch.ops.tokenmill.int4_linear(x, *blocked)  # [rows, out]
         assert got.dtype == BF16 and got.shape == (rows, out_features)
-        if rows <= INT4_BLOCKED_MAX_ROWS:
-            assert torch.equal(weight.linear(x, None), got)  # the module's choice
+        assert torch.equal(weight.linear(x, None), got)  # the module's choice
         for r in range(rows):
             assert torch.equal(got[r : r + 1], alone[r]), (rows, r)
         exact = x.double() @ exact_weight.T
@@ -84,17 +85,17 @@ def test_the_blocked_kernel_computes_with_the_exact_weight_values(shape: tuple[i
 
 
 @needs_kernel
-def test_int4_weights_use_the_blocked_copy_for_small_bfloat16_steps_only() -> None:
+def test_int4_weights_use_the_blocked_copy_for_every_bfloat16_step() -> None:
     packed, scales, mins = quantize_int4(torch.randn(32, 64))
     weight = Int4Weight(packed, scales, mins)
     blocked = weight.blocked()
     assert blocked is not None and weight.blocked() is blocked  # made once
-    assert weight.max_rows == INT4_BLOCKED_MAX_ROWS
+    assert weight.max_rows == INT4_WIDE_MAX_ROWS
     assert weight.triple(INT4_BLOCKED_MAX_ROWS, BF16) is blocked
-    assert weight.triple(INT4_BLOCKED_MAX_ROWS + 1, BF16) == (packed, scales, mins)
+    assert weight.triple(INT4_BLOCKED_MAX_ROWS + 1, BF16) is blocked  # the wide kernel's steps
     assert weight.triple(weight.float32_max_rows + 1, torch.float32) == (packed, scales, mins)
-    x = torch.randn(INT4_BLOCKED_MAX_ROWS + 1, 64, dtype=BF16)
-    # Above its rows: the row layout's kernels, whose values are rounded to bfloat16 first.
+    x = torch.randn(weight.float32_max_rows + 1, 64)
+    # Float32 rows above the float32 kernels' bound: the row layout's kernel.
     assert torch.equal(weight.linear(x, None), int4_linear(x, packed, scales, mins, None))
     uneven = Int4Weight(*quantize_int4(torch.randn(40, 64)))
     assert uneven.blocked() is None and uneven.triple(1, BF16)[0] is uneven.packed
@@ -147,7 +148,7 @@ def test_gguf_level_groups_take_the_blocked_kernel_with_their_exact_values(five:
     packed, scales, mins, high = weight.kernel_tensors()
     assert packed.dim() == 3 and (high is not None) == five
     exact_weight = weight.dequantize().double()  # [out, in]
-    assert weight.max_rows == INT4_BLOCKED_MAX_ROWS
+    assert weight.max_rows == INT4_WIDE_MAX_ROWS
     x_all = torch.randn(INT4_BLOCKED_MAX_ROWS, 96, dtype=BF16)
     for rows in range(1, INT4_BLOCKED_MAX_ROWS + 1):
         x = x_all[:rows]

@@ -35,11 +35,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& mins, int64_t method);
 // int4_blocked_cpu.cpp: x [rows, in] bfloat16 (1 or more rows) times an int4 weight in the blocked layout
 // (layers/int4.py block_int4_layout; float32 scales and `high`: level_sums.py's groups); [rows, blocks * 16]
-// bfloat16. Callers check int4_blocked_available(). Float32 rows (4-bit levels only) go to
-// int4_linear_blocked_f32 and come back float32; callers check int4_blocked_f32_available().
+// bfloat16. Callers check int4_blocked_available(). Steps of 1 to kInt4BlockedMaxRows bfloat16 rows run the
+// blocked kernel (the exact values d * q + m), larger ones int4_linear_wide. Float32 rows (4-bit levels
+// only) go to int4_linear_blocked_f32 and come back float32; callers check int4_blocked_f32_available().
+constexpr int64_t kInt4BlockedMaxRows = 16;  // layers/int4.py INT4_BLOCKED_MAX_ROWS
 bool int4_blocked_available();
+int64_t int4_blocked_max_rows();
 at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& mins, const std::optional<at::Tensor>& high);
+// int4_wide_cpu.cpp: bfloat16 rows times the blocked layout with the weights' bfloat16 values
+// round_bf16(d * q + m), for steps of many rows; needs int4_blocked_available().
+at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // int4_blocked_f32_cpu.cpp: float32 rows times the blocked layout, the format checked by the caller.
 bool int4_blocked_f32_available();
 at::Tensor int4_linear_blocked_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

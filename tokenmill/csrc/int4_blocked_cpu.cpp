@@ -188,11 +188,15 @@ bool int4_blocked_available() {
 #endif
 }
 
+int64_t int4_blocked_max_rows() { return kInt4BlockedMaxRows; }
+
 // x [rows, in] bfloat16 (1 or more rows, contiguous features) times the weight in the blocked layout; [rows,
-// blocks * 16] bfloat16.
+// blocks * 16] bfloat16. Steps of more than kInt4BlockedMaxRows bfloat16 rows take the wide kernel.
 at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& mins, const std::optional<at::Tensor>& high) {
   check_blocked_format(packed, scales, mins, high);
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kInt4BlockedMaxRows)
+    return int4_linear_wide(x, packed, scales, mins, high);
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   x.dim() == 2 && x.stride(1) == 1,
               "the int4 blocked kernel takes a bfloat16 or float32 CPU tensor x [rows, in] with contiguous features");
@@ -237,4 +241,5 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int4_blocked_available() -> bool", &tokenmill::ops::int4_blocked_available);
+  m.def("int4_blocked_max_rows() -> int", &tokenmill::ops::int4_blocked_max_rows);
 }

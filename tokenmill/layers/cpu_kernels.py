@@ -36,6 +36,7 @@ SOURCES = [
     CSRC / "int4_pairs_cpu.cpp",
     CSRC / "int4_blocked_cpu.cpp",
     CSRC / "int4_blocked_f32_cpu.cpp",
+    CSRC / "int4_wide_cpu.cpp",
     CSRC / "decoder_layer_cpu.cpp",
     CSRC / "gemma_decoder_cpu.cpp",
     CSRC / "q8_gemm_cpu.cpp",

@@ -19,12 +19,13 @@ per vector), which computes with the exact values ``d * q + m``; where the CPU h
 weight whose outputs are a multiple of 16 takes those steps, and those up to ``INT4_BLOCKED_MAX_ROWS``
 rows, on the blocked kernel instead (``csrc/int4_blocked_cpu.cpp``: the same values over a copy laid out
 for it, :func:`block_int4_layout`, 16 outputs a vector; on SmolLM2's shapes 1.2-1.4x the level sums'
-speed at one row, 1.5-1.6x at five); the row kernel (one bfloat16 dot
-product per row and group; method 1, the deterministic mode's) and on CPUs with AMX the tile kernel
+speed at one row, 1.5-1.6x at five), and larger steps on the wide kernel over that copy
+(``csrc/int4_wide_cpu.cpp``); the row kernel (one bfloat16 dot
+product per row and group; method 1, the deterministic mode's), on CPUs with AMX the tile kernel
 (each decoded 16 x 32 weight tile multiplied with 16 rows per tile product, from ``kTilesFromRows``
-rows) compute with ``round_bf16(d * q + m)`` (exact in float32 before the rounding), the bfloat16
-weight ``int4_dequantize`` gives, which steps above :func:`int4_max_rows` multiply with oneDNN's
-bfloat16 GEMM. The two differ by the weights' bfloat16 rounding, well within the format's own error.
+rows) and the wide kernel compute with ``round_bf16(d * q + m)`` (exact in float32 before the rounding),
+the bfloat16 weight ``int4_dequantize`` gives, which steps above :func:`int4_max_rows` (where there is
+such a bound) multiply with oneDNN's bfloat16 GEMM. The two differ by the weights' bfloat16 rounding, well within the format's own error.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ INT4_MAX_ROWS_WITH_TILES = 128
 # a Zen 4 (512-bit instructions in two passes) its gate_up, 97 us at 8 rows and ~9 us a row more,
 # stays under oneDNN's 203 us at 8 rows up to 16; 32 was not measured there (docs/performance.md).
 INT4_BLOCKED_MAX_ROWS = 16
+# Larger bfloat16 steps take the wide kernel on the same copy (csrc/int4_wide_cpu.cpp: each panel of 32
+# outputs decoded once to bfloat16, tiles of 12 rows), for any number of rows. SmolLM2's four projections,
+# 30 layers' weights streamed from memory as in a decode step, 2-core Zen 5, microseconds a layer, wide /
+# blocked / oneDNN on the dequantized weight: 17 rows 217 / 209 / 301, 32 rows 306 / 360 / 419, 64 rows 535 /
+# 667 / 702, 256 rows 1,853 / 2,622 / 2,034, 2,048 rows 14,983 / 22,488 / 15,461 (docs/performance.md).
+INT4_WIDE_MAX_ROWS = 1 << 30
 # float32 rows (csrc/group_gemm_f32_cpu.cpp) against float32 panels, SmolLM2's projections and head
 # on one thread of a loaded Zen 4 on the avx2 path: 2.1x faster at one row, even at four.
 INT4_FLOAT32_MAX_ROWS = 3
@@ -206,7 +213,8 @@ def float32_max_rows(out_features: int, otherwise: int = INT4_FLOAT32_MAX_ROWS) 
 
 def blocked_takes(out_features: int) -> bool:
     """Whether the blocked kernel runs here and takes a weight with ``out_features`` outputs (a multiple
-    of 16): then it takes bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows."""
+    of 16): then it takes bfloat16 steps of 1 to ``INT4_BLOCKED_MAX_ROWS`` rows, and the wide kernel
+    larger ones."""
     return out_features % BLOCK_OUTPUTS == 0 and load_error() is None and int4_blocked_available()
 
 
@@ -241,12 +249,12 @@ def int4_pairs_available() -> bool:
 
 def int4_max_rows(out_features: int) -> int:
     """The most rows a step sends through the int4 kernels on this machine for a weight with
-    ``out_features`` outputs (see ``INT4_MAX_ROWS``): the tiles', the blocked kernel's where it takes
-    the weight (:func:`blocked_takes`), else the row kernels'."""
+    ``out_features`` outputs (see ``INT4_MAX_ROWS``): the tiles', any number where the blocked and wide
+    kernels take the weight (:func:`blocked_takes`), else the row kernels'."""
     if int4_has_tiles():
         return INT4_MAX_ROWS_WITH_TILES
     if blocked_takes(out_features):
-        return INT4_BLOCKED_MAX_ROWS
+        return INT4_WIDE_MAX_ROWS
     return INT4_MAX_ROWS
 
 
@@ -299,9 +307,10 @@ class Int4Weight:
         return self._blocked
 
     def blocked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(packed, scales, mins)`` in the blocked layout for bfloat16 steps of 1 to
-        ``INT4_BLOCKED_MAX_ROWS`` rows where that kernel runs (:func:`int4_blocked_available`) and the
-        outputs are a multiple of 16, else None (those steps take the level-sums or row kernel)."""
+        """``(packed, scales, mins)`` in the blocked layout for bfloat16 steps of 1 to ``max_rows`` rows
+        (the blocked kernel up to ``INT4_BLOCKED_MAX_ROWS``, the wide one above) where those kernels run
+        (:func:`int4_blocked_available`) and the outputs are a multiple of 16, else None (those steps take
+        the level-sums or row kernel)."""
         return self._layout() if blocked_takes(self.packed.shape[0]) else None
 
     def blocked_f32(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -313,11 +322,7 @@ class Int4Weight:
     def triple(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tensors ``int4_linear`` multiplies a step of ``rows`` rows of ``dtype`` with (auto method):
         the blocked copy for the steps its kernels take, else the row layout."""
-        if (
-            dtype == torch.bfloat16
-            and rows <= INT4_BLOCKED_MAX_ROWS
-            and (blocked := self.blocked()) is not None
-        ):
+        if dtype == torch.bfloat16 and rows <= self.max_rows and (blocked := self.blocked()) is not None:
             return blocked
         if (
             dtype == torch.float32

@@ -19,7 +19,9 @@ multiplies as ``scale * sum(x q) + min * sum(x)``: with the exact values, from t
 
 Without AMX tiles, a layer whose outputs are a multiple of 16 multiplies on the blocked kernel instead
 (``csrc/int4_blocked_cpu.cpp``, through the same op) over a copy made on first use
-(:meth:`LevelWeight.kernel_tensors`): the same exact values, 16 outputs a vector.
+(:meth:`LevelWeight.kernel_tensors`): the same exact values, 16 outputs a vector; and steps of more
+rows on the wide kernel over that copy (``csrc/int4_wide_cpu.cpp``), which multiplies with the values
+rounded to bfloat16, the layer's bfloat16 weight.
 
 Levels are packed as int4 packs them (byte ``j`` of a group holds elements ``j`` and ``j + 16``). The
 layer keeps its bfloat16 weight (the values rounded) for larger steps, other CPUs and the
@@ -33,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.int4 import (
-    INT4_BLOCKED_MAX_ROWS,
     INT4_PAIRS_MAX_ROWS,
+    INT4_WIDE_MAX_ROWS,
     block_fifth_bits,
     block_int4_layout,
     blocked_copy,
@@ -70,7 +72,7 @@ class LevelWeight:
     def __post_init__(self) -> None:
         out_features = self.packed.shape[0]
         if self.max_rows <= 0:
-            self.max_rows = INT4_BLOCKED_MAX_ROWS if blocked_takes(out_features) else INT4_PAIRS_MAX_ROWS
+            self.max_rows = INT4_WIDE_MAX_ROWS if blocked_takes(out_features) else INT4_PAIRS_MAX_ROWS
         if self.high is None:
             self.float32_max_rows = float32_max_rows(out_features, otherwise=0)
 
@@ -102,7 +104,8 @@ class LevelWeight:
         return self._blocked or (self.packed, self.scales, self.mins, self.high)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` ``[rows, out_features]`` in x's dtype with the exact values (float32 sums)."""
+        """``x @ W.T`` ``[rows, out_features]`` in x's dtype (float32 sums): with the exact values, or on
+        the wide kernel (bfloat16 steps above ``INT4_BLOCKED_MAX_ROWS`` rows) with the bfloat16 ones."""
         x = x if x.stride(1) == 1 else x.contiguous()
         if x.dtype == torch.float32 and (blocked := self.blocked_f32()) is not None:
             return torch.ops.tokenmill.level_sums_linear(x, *blocked, None)

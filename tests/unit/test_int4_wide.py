@@ -1,0 +1,117 @@
+"""The wide int4 kernel (``csrc/int4_wide_cpu.cpp``): bfloat16 steps of more than
+``INT4_BLOCKED_MAX_ROWS`` rows over the blocked copy of an int4 weight (``Int4Weight``) or of GGUF level
+groups (``LevelWeight``). It multiplies with the weights' bfloat16 values ``round_bf16(d * q + m)``, the
+weight ``int4_dequantize`` gives, with float32 sums, and each row's bits depend neither on the step's
+other rows nor on their number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers.int4 import (
+    INT4_BLOCKED_MAX_ROWS,
+    INT4_WIDE_MAX_ROWS,
+    Int4Weight,
+    int4_blocked_available,
+    int4_dequantize,
+    quantize_int4,
+)
+from tokenmill.layers.level_sums import LevelWeight, pack_levels
+
+BF16 = torch.bfloat16
+needs_kernel = pytest.mark.skipif(
+    not int4_blocked_available(), reason="the blocked and wide kernels need AVX512-BF16 and no AMX tiles"
+)
+WIDE = INT4_BLOCKED_MAX_ROWS + 1  # the fewest rows the wide kernel takes
+
+
+def one_hot_rows(features: list[int], in_features: int) -> torch.Tensor:
+    """Row r is 1 at ``features[r]``, 0 elsewhere: its output is that feature's column of the weight."""
+    x = torch.zeros(len(features), in_features, dtype=BF16)
+    x[torch.arange(len(features)), torch.tensor(features)] = 1
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (16, 32), (48, 96), (576, 1536), (80, 544)])
+def test_the_wide_kernel_multiplies_with_the_bfloat16_weight(shape: tuple[int, int]) -> None:
+    """One-hot rows read every weight back bit for bit (one block in a panel too: 16 or 80 outputs);
+    random rows are the float32 sums of the products with that weight."""
+    out_features, in_features = shape
+    packed, scales, mins = quantize_int4(torch.randn(shape) / in_features**0.5 + 0.01)
+    weight = Int4Weight(packed, scales, mins)
+    blocked = weight.blocked()
+    assert blocked is not None and weight.max_rows == INT4_WIDE_MAX_ROWS
+    bf16_weight = int4_dequantize(packed, scales, mins)  # [out, in] round_bf16(d * q + m)
+    features = list(range(in_features))
+    for first in range(0, in_features, 64):  # steps of 64 one-hot rows (the last may be smaller)
+        chunk = features[first : first + 64]
+        x = one_hot_rows(chunk + [0] * max(0, WIDE - len(chunk)), in_features)
+        got = torch.ops.tokenmill.int4_linear(x, *blocked)  # [rows, out]
+        assert torch.equal(got[: len(chunk)], bf16_weight[:, chunk].T)
+    x = torch.randn(70, in_features, dtype=BF16)
+    got = weight.linear(x, None)
+    assert got.dtype == BF16 and got.shape == (70, out_features)
+    exact = x.double() @ bf16_weight.double().T
+    magnitude = x.double().abs() @ bf16_weight.double().abs().T
+    assert bool(((got.double() - exact).abs() <= 2**-8 * exact.abs() + 2**-20 * magnitude).all())
+
+
+@needs_kernel
+def test_a_rows_bits_do_not_depend_on_the_step() -> None:
+    """Every row count from the wide kernel's first through several tiles of 12 rows, and steps that
+    start elsewhere in the rows, give each row the same bits."""
+    packed, scales, mins = quantize_int4(torch.randn(96, 160) / 12)
+    blocked = Int4Weight(packed, scales, mins).blocked()
+    assert blocked is not None
+    x_all = torch.randn(80, 160, dtype=BF16)
+    full = torch.ops.tokenmill.int4_linear(x_all, *blocked)  # [80, 96]
+    for first, rows in [(0, WIDE), (0, 24), (0, 25), (0, 37), (3, WIDE), (11, 40), (50, 30)]:
+        got = torch.ops.tokenmill.int4_linear(x_all[first : first + rows], *blocked)
+        assert torch.equal(got, full[first : first + rows]), (first, rows)
+
+
+def level_weight(out_features: int, in_features: int, five: bool) -> LevelWeight:
+    """Random levels (0..15, or 0..31 with fifth bits) with float32 scales and minimums (Q4_K's kind)
+    or, for 5-bit levels, float16 ones (Q5_0's)."""
+    generator = torch.Generator().manual_seed(3)
+    levels = torch.randint(0, 32 if five else 16, (out_features, in_features), generator=generator)
+    levels = levels.to(torch.uint8)
+    groups = in_features // 32
+    scales = torch.rand(out_features, groups, generator=generator) * 1e-2 + 1e-3
+    mins = -torch.rand(out_features, groups, generator=generator) * 5e-2
+    high = None
+    if five:
+        bits = (levels >> 4).reshape(out_features, groups, 32).long() << torch.arange(32)  # [out, G, 32]
+        words = bits.sum(-1)
+        high = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        scales, mins = scales.half(), mins.half()
+    return LevelWeight(pack_levels(levels), scales, mins, high)
+
+
+@needs_kernel
+@pytest.mark.parametrize("five", [False, True])
+def test_gguf_level_groups_take_the_wide_kernel_with_their_bfloat16_values(five: bool) -> None:
+    """Float32 scales (Q4_K) and 5-bit levels (Q5_0's fifth bits): above the blocked kernel's rows the
+    layer multiplies with its values rounded to bfloat16."""
+    weight = level_weight(48, 96, five)
+    assert weight.max_rows == INT4_WIDE_MAX_ROWS
+    bf16_weight = weight.dequantize().to(BF16)  # [out, in]
+    x = one_hot_rows(list(range(96)), 96)
+    assert torch.equal(weight.linear(x), bf16_weight.T)
+    x = torch.randn(WIDE + 5, 96, dtype=BF16)
+    got = weight.linear(x)
+    exact = x.double() @ bf16_weight.double().T
+    magnitude = x.double().abs() @ bf16_weight.double().abs().T
+    assert bool(((got.double() - exact).abs() <= 2**-8 * exact.abs() + 2**-20 * magnitude).all())
+
+
+@needs_kernel
+def test_the_wide_kernel_refuses_rows_it_cannot_read_in_pairs() -> None:
+    blocked = Int4Weight(*quantize_int4(torch.randn(32, 64))).blocked()
+    assert blocked is not None
+    odd_stride = torch.randn(WIDE, 65, dtype=BF16)[:, :64]  # rows 65 elements apart
+    with pytest.raises(RuntimeError, match="contiguous features and an even row stride"):
+        torch.ops.tokenmill.int4_linear(odd_stride, *blocked)
+    assert torch.ops.tokenmill.int4_linear(odd_stride[:INT4_BLOCKED_MAX_ROWS], *blocked).shape == (16, 32)

@@ -1,0 +1,217 @@
+// The int4 linear layer for steps of many bfloat16 rows on CPUs with AVX512-BF16 (no AMX tiles): the
+// "wide" kernel, over the blocked layout of int4_blocked_cpu.cpp (layers/int4.py block_int4_layout).
+//
+// What it computes: per output o and row x, the float32 sum over input features of x_f * w_f, where w_f is
+// the weight's bfloat16 value round_bf16(d * q + m) (the bfloat16 weight int4_dequantize gives, which the
+// tile kernel and oneDNN's bfloat16 GEMM multiply), summed over the features in order, one chain per row and
+// output: each row's bits depend neither on the other rows of the step nor on their number.
+//
+// Why: from about 16 rows a step is bound by the products, not the weight stream. oneDNN's bfloat16 GEMM
+// over the dequantized weight reaches ~90% of the bfloat16 peak while the weights are in cache, but a decode
+// step streams every layer's bfloat16 weights (7 MB a layer for SmolLM2) from memory, and oneDNN does not
+// overlap that stream with its products: 64 rows of SmolLM2's four projections take 525 us a layer warm and
+// 675 us cold (2-core Zen 5). The blocked kernel streams 3.6x fewer bytes but spends a group's scales and
+// minimums on every row (its 8-row passes keep 8 chains in flight, fewer than the two dot-product pipes
+// need). Here each panel of 32 outputs is decoded once into bfloat16 pairs (36 KB for 576 inputs, in the
+// first two levels of cache) and every tile of up to 12 rows multiplies it with 24 accumulators in
+// registers: per pair of input features two weight loads, 12 broadcast activation pairs, 24 dot products.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <type_traits>
+
+#include "cpu_ops.h"
+#include "group_gemm.h"
+
+namespace tokenmill {
+namespace {
+
+using group_gemm::kGroup;
+
+constexpr int64_t kBlockOutputs = 16;
+constexpr int64_t kStepBytes = 32;
+constexpr int64_t kStepsPerGroup = kGroup / 4;                   // 8
+constexpr int64_t kBlockGroupBytes = kStepsPerGroup * kStepBytes;  // 256
+constexpr int kPanelBlocks = 2;  // outputs a panel: 2 x 16, decoded once per call
+constexpr int kTileRows = 12;    // rows a tile keeps in registers: 12 x 2 accumulators
+constexpr int64_t kPrefetchBytes = 2048;
+
+#ifdef TOKENMILL_GROUP_AVX512
+
+inline __m512 load_block_constants(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_block_constants(const float* p) { return _mm512_loadu_ps(p); }
+
+// The 16 outputs x 2 features of 32 levels (word j: output j / 2, feature j % 2) as bfloat16 weights
+// round_bf16(d * q + m), in the same word order; d_lo / m_lo hold outputs 0..7 in lanes (2i, 2i + 1), d_hi /
+// m_hi outputs 8..15.
+inline __m512bh weights_of(__m512i levels, __m512 d_lo, __m512 m_lo, __m512 d_hi, __m512 m_hi) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(levels)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(levels, 1)));
+  // d * q is exact in float32 (d a float16, q < 32), so the multiply-add rounds once, as d * q + m does.
+  return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d_hi, m_hi), _mm512_fmadd_ps(lo, d_lo, m_lo));
+}
+
+// Decodes blocks [block, block + count) into panel[pair * count + j] (j: the block), pair = input feature pair
+// (2 pair, 2 pair + 1).
+template <typename Scale, bool FIVE>
+void decode_panel(const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
+                  int64_t groups, int64_t block, int count, __m512bh* panel) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512i fifth_bit = _mm512_set1_epi16(16);
+  const __m512i pick_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pick_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  for (int j = 0; j < count; ++j) {
+    const int64_t b = block + j;
+    const uint8_t* block_bytes = packed + b * groups * kBlockGroupBytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (b * groups + g) * kBlockOutputs;
+      const __m512 d = load_block_constants(scales + at), m = load_block_constants(mins + at);
+      const __m512 d_lo = _mm512_permutexvar_ps(pick_lo, d), d_hi = _mm512_permutexvar_ps(pick_hi, d);
+      const __m512 m_lo = _mm512_permutexvar_ps(pick_lo, m), m_hi = _mm512_permutexvar_ps(pick_hi, m);
+      const uint8_t* group_bytes = block_bytes + g * kBlockGroupBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + 192), _MM_HINT_T0);
+      for (int64_t t = 0; t < kStepsPerGroup; ++t) {
+        const __m512i words =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_bytes + t * kStepBytes)));
+        __m512i first = _mm512_and_si512(words, low_nibble);  // features 4t, 4t + 1
+        __m512i second = _mm512_srli_epi16(words, 4);         // features 4t + 2, 4t + 3
+        if constexpr (FIVE) {  // levels 16..31
+          const uint32_t* bits = high + at + 2 * t;
+          first = _mm512_mask_add_epi16(first, __mmask32(bits[0]), first, fifth_bit);
+          second = _mm512_mask_add_epi16(second, __mmask32(bits[1]), second, fifth_bit);
+        }
+        const int64_t pair = g * (kGroup / 2) + 2 * t;
+        panel[pair * count + j] = weights_of(first, d_lo, m_lo, d_hi, m_hi);
+        panel[(pair + 1) * count + j] = weights_of(second, d_lo, m_lo, d_hi, m_hi);
+      }
+    }
+  }
+}
+
+// out[r, 16 b ..) for ROWS rows (x and out start at the first) and the panel's COUNT blocks: per feature pair,
+// COUNT weight vectors times each row's broadcast pair, one accumulator per row and block.
+template <int ROWS, int COUNT>
+void panel_tile(const c10::BFloat16* x, int64_t x_stride, int64_t pairs, const __m512bh* panel, c10::BFloat16* out,
+                int64_t out_stride) {
+  __m512 acc[ROWS][COUNT];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < COUNT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const auto* x_pairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t pair_stride = x_stride / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh w[COUNT];
+    for (int j = 0; j < COUNT; ++j) w[j] = panel[p * COUNT + j];
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(x_pairs[r * pair_stride + p]);
+      for (int j = 0; j < COUNT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], a);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < COUNT; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + j * kBlockOutputs),
+                          (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+template <int ROWS, int COUNT>
+void tile_dispatch(int rows, const c10::BFloat16* x, int64_t x_stride, int64_t pairs, const __m512bh* panel,
+                   c10::BFloat16* out, int64_t out_stride) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) {
+      tile_dispatch<ROWS - 1, COUNT>(rows, x, x_stride, pairs, panel, out, out_stride);
+      return;
+    }
+  }
+  panel_tile<ROWS, COUNT>(x, x_stride, pairs, panel, out, out_stride);
+}
+
+// Panels [begin, end) of kPanelBlocks blocks (the last may hold one): decode, then every tile of rows.
+template <typename Scale, bool FIVE>
+void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t groups, int64_t blocks,
+                 const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
+                 c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
+  const int64_t pairs = groups * (kGroup / 2);
+  // The decoded panel, 64 bytes a feature pair and block (36 KB for 576 inputs), kept by the thread.
+  thread_local std::unique_ptr<__m512bh[]> scratch;
+  thread_local int64_t capacity = 0;
+  if (capacity < pairs * kPanelBlocks) {
+    scratch.reset(new __m512bh[pairs * kPanelBlocks]);
+    capacity = pairs * kPanelBlocks;
+  }
+  __m512bh* panel = scratch.get();
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t block = p * kPanelBlocks;
+    const int count = static_cast<int>(std::min<int64_t>(kPanelBlocks, blocks - block));
+    decode_panel<Scale, FIVE>(packed, scales, mins, high, groups, block, count, panel);
+    c10::BFloat16* panel_out = out + block * kBlockOutputs;
+    for (int64_t first = 0; first < rows; first += kTileRows) {
+      const int tile = static_cast<int>(std::min<int64_t>(kTileRows, rows - first));
+      if (count == kPanelBlocks)
+        tile_dispatch<kTileRows, kPanelBlocks>(tile, x + first * x_stride, x_stride, pairs, panel,
+                                               panel_out + first * out_stride, out_stride);
+      else
+        tile_dispatch<kTileRows, 1>(tile, x + first * x_stride, x_stride, pairs, panel,
+                                    panel_out + first * out_stride, out_stride);
+    }
+  }
+}
+
+#endif  // TOKENMILL_GROUP_AVX512
+
+}  // namespace
+}  // namespace tokenmill
+
+namespace tokenmill::ops {
+
+// x [rows, in] bfloat16 (contiguous features, an even row stride) times the weight in the blocked layout, whose
+// format (and x's width) int4_linear_blocked checked: [rows, blocks * 16] bfloat16.
+at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.stride(0) % 2 == 0 && x.size(0) >= 1,
+              "the int4 wide kernel takes a bfloat16 CPU tensor x [rows, in] (at least one row) with contiguous "
+              "features and an even row stride");
+  TORCH_CHECK(x.size(1) == packed.size(1) * kGroup, "x has ", x.size(1), " features, the weight ",
+              packed.size(1) * kGroup);
+#ifdef TOKENMILL_GROUP_AVX512
+  const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
+  const int64_t out_features = blocks * kBlockOutputs;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const auto* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t x_stride = x.stride(0);
+  const int64_t panels = (blocks + kPanelBlocks - 1) / kPanelBlocks;
+  const auto run = [&](const auto* dp, const auto* mp) {
+    using Scale = std::remove_const_t<std::remove_pointer_t<decltype(dp)>>;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      if (hp != nullptr)
+        wide_panels<Scale, true>(rows, xp, x_stride, groups, blocks, wp, dp, mp, hp, op, out_features, begin, end);
+      else
+        wide_panels<Scale, false>(rows, xp, x_stride, groups, blocks, wp, dp, mp, nullptr, op, out_features, begin,
+                                  end);
+    });
+  };
+  if (scales.scalar_type() == at::kFloat)
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  else
+    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+  return out;
+#else
+  TORCH_CHECK(false, "the int4 wide kernel needs AVX512-BF16");
+#endif
+}
+
+}  // namespace tokenmill::ops

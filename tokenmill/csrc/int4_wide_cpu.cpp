@@ -155,14 +155,18 @@ void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t
     const int count = static_cast<int>(std::min<int64_t>(kPanelBlocks, blocks - block));
     decode_panel<Scale, FIVE>(packed, scales, mins, high, groups, block, count, panel);
     c10::BFloat16* panel_out = out + block * kBlockOutputs;
-    for (int64_t first = 0; first < rows; first += kTileRows) {
-      const int tile = static_cast<int>(std::min<int64_t>(kTileRows, rows - first));
+    // Tiles of equal size, within a row (13 rows: 6 and 7, not 12 and 1): a small tile keeps too few
+    // accumulator chains in flight for the two dot-product pipes.
+    const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    for (int64_t t = 0, first = 0; t < tiles; ++t) {
+      const int tile = static_cast<int>((rows - first) / (tiles - t));
       if (count == kPanelBlocks)
         tile_dispatch<kTileRows, kPanelBlocks>(tile, x + first * x_stride, x_stride, pairs, panel,
                                                panel_out + first * out_stride, out_stride);
       else
         tile_dispatch<kTileRows, 1>(tile, x + first * x_stride, x_stride, pairs, panel,
                                     panel_out + first * out_stride, out_stride);
+      first += tile;
     }
   }
 }

@@ -4,7 +4,8 @@ For SmolLM2-135M's shapes and 1..128 input rows, prints microseconds per call an
 each kernel streams its own weight format (GB/s of packed int4 with its scales, of bfloat16, of int8
 with its row scales). int4 is measured up to three times: the row kernel (one dot product per row and group), on CPUs with
 AVX512-BF16 the level-sums kernel (two groups per vector; up to its 8 rows), there without AMX the
-blocked kernel (16 outputs per vector over the weight's blocked copy; every row count) and, where the CPU grants
+blocked kernel (16 outputs per vector over the weight's blocked copy; above ``INT4_BLOCKED_MAX_ROWS`` rows the
+same op runs the wide kernel over that copy, ``csrc/int4_wide_cpu.cpp``) and, where the CPU grants
 AMX, the tile kernel (16 rows per tile product). Each shape is measured over enough DISTINCT weights that the int4 copies alone
 exceed ``--working-set-mb`` (a single weight reused in a loop stays in the caches and overstates the
 rate), cycling through them like a model's layers. The rows at which the tiles overtake the row kernel

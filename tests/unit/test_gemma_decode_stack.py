@@ -15,7 +15,7 @@ from tests.unit.test_q8_small_levels import q5_0_like
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import fused_cpu
 from tokenmill.layers.batch_invariant import row_kernel_available
-from tokenmill.layers.cpu_gemm import float32_panels_preferred
+from tokenmill.layers.cpu_gemm import BF16_ROW_KERNEL_MAX_ROWS, float32_panels_preferred
 from tokenmill.layers.cpu_isa import cpu_flags
 from tokenmill.layers.gemma_decode_stack import (
     KIND_BF16_ROWS,
@@ -28,6 +28,7 @@ from tokenmill.layers.gemma_decode_stack import (
 from tokenmill.layers.int4 import (
     BLOCK_OUTPUTS,
     INT4_BLOCKED_F32_MAX_ROWS,
+    INT4_PAIRS_MAX_ROWS,
     INT4_WIDE_MAX_ROWS,
     blocked_takes,
     int4_blocked_f32_lanes,
@@ -35,6 +36,7 @@ from tokenmill.layers.int4 import (
     int4_pairs_available,
 )
 from tokenmill.layers.level_sums import LevelWeight, pack_levels
+from tokenmill.layers.q8 import Q8_MAX_ROWS
 from tokenmill.models.base import prepare_for_inference
 from tokenmill.step_control import LayerProgress
 
@@ -164,8 +166,10 @@ def test_steps_above_every_small_kernel_run_on_the_wide_stack_with_the_same_resu
     gguf_like_folder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GGUF-like mix carries a wide stack on the layers' oneDNN-packed weights (where oneDNN has
-    bfloat16 kernels here), taken from one row more than the widest small-step kernel's bound: a batch
-    of 12 decodes is one call a step, with the same tokens and logprobs as the modules, bitwise."""
+    bfloat16 kernels here), except for projections whose small-step kernel takes any number of rows
+    (int4 and level groups on their blocked copies), which keep it; taken from one row more than the
+    widest bounded small-step kernel's rows: a batch of 12 decodes is one call a step, with the same
+    tokens and logprobs as the modules, bitwise."""
     llm = LLM(gguf_like_folder, dtype="bfloat16", num_blocks=128, block_size=4, enable_prefix_caching=False)
     model = llm.engine.executor.runner.model
     stack = model.decode_stack
@@ -177,8 +181,24 @@ def test_steps_above_every_small_kernel_run_on_the_wide_stack_with_the_same_resu
         assert stack.wide is None
         return
     wide = stack.wide
-    assert wide is not None and wide.kinds == [KIND_ONEDNN] * 4 * NUM_LAYERS and wide.wide is None
-    assert wide.min_rows == max(8 if int4_pairs_available() else 1, int4_max_rows(BLOCK_OUTPUTS)) + 1
+    unbounded = [
+        kind in (KIND_INT4, KIND_LEVELS) and blocked_takes(outputs)
+        for kind, outputs in zip(stack.kinds, stack.out_features, strict=True)
+    ]
+    expected = [kind if keeps else KIND_ONEDNN for kind, keeps in zip(stack.kinds, unbounded, strict=True)]
+    assert wide is not None and wide.kinds == expected and wide.wide is None
+    assert KIND_ONEDNN in wide.kinds  # the mix has bounded kernels (the 8-bit and bfloat16 ones)
+    bounds = {
+        KIND_Q8: Q8_MAX_ROWS,
+        KIND_BF16_ROWS: BF16_ROW_KERNEL_MAX_ROWS,
+        KIND_LEVELS: INT4_PAIRS_MAX_ROWS,
+    }
+    widest = max(
+        bounds.get(kind) or int4_max_rows(outputs)
+        for kind, outputs, keeps in zip(stack.kinds, stack.out_features, unbounded, strict=True)
+        if not keeps
+    )
+    assert wide.min_rows == widest + 1
     prompts = [[10 + (7 * i + 5 * j) % 140 for j in range(3 + 2 * i)] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 

@@ -72,12 +72,17 @@ class StackProjection:
     @classmethod
     def of(cls, linear: LinearBase, dtype: torch.dtype, wide: bool = False) -> StackProjection | None:
         """The kernel ``linear`` takes for small steps of ``dtype`` rows (``wide``: for steps above
-        every small-step kernel's rows, its oneDNN-packed bfloat16 weight), or None when the op has
-        none of its kind (sharded, int8, row-tiled for the deterministic mode, oneDNN-packed float32)."""
+        every bounded small-step kernel's rows, its oneDNN-packed bfloat16 weight, or the small-step
+        kernel itself where that takes any number of rows, as int4 and level groups on their blocked
+        copies do), or None when the op has none of its kind (sharded, int8, row-tiled for the
+        deterministic mode, oneDNN-packed float32)."""
         if linear.tp_size != 1 or linear.row_tile or linear.weight.dtype != dtype:
             return None
         bf16 = dtype == torch.bfloat16
         if wide:
+            small = cls.of(linear, dtype)
+            if small is not None and small.max_rows >= PANELS_MAX_ROWS:
+                return small  # what the module multiplies every step with
             onednn = linear.onednn_packed_bf16()
             if onednn is None:
                 return None
@@ -161,29 +166,31 @@ class GemmaDecodeStack:
         """The stack over ``parts`` (every layer, in order) for ``dtype`` activations, or None unless
         every layer fits the op: its norms' scales prepared (float32), static rotary, an attention
         backend the stack attends through (not row-independent) and every projection with a
-        small-step kernel (``wide``: a oneDNN-packed bfloat16 weight). A bfloat16 stack of small-step
-        kernels carries its ``wide`` one where every projection has such a weight."""
+        small-step kernel (``wide``: one that takes any number of rows, or a oneDNN-packed bfloat16
+        weight). A bfloat16 stack of small-step kernels of which some are bounded carries its ``wide``
+        one where every projection has such a kernel or weight, from one row past the bounded kernels'
+        widest step."""
         if not parts or final_norm is None or dtype not in (torch.bfloat16, torch.float32):
             return None
         backend = parts[0].attention
         if not isinstance(backend, StackAttentionSource) or backend.stack_row_independent:
             return None
         stack = cls([], [], [], [], [], [], [], [], final_norm, shape, eps, backend, PANELS_MAX_ROWS, dtype)
-        widest = 0  # the most rows any projection's kernel takes
+        widest = 0  # the most rows any projection's bounded kernel takes
         for index, layer in enumerate(parts):
             layer_widest = stack._add(index, layer, wide)
             if layer_widest is None:
                 return None
             widest = max(widest, layer_widest)
-        if not wide and dtype == torch.bfloat16:
+        if not wide and dtype == torch.bfloat16 and stack.max_rows < PANELS_MAX_ROWS:
             stack.wide = cls.build(parts, final_norm, shape, eps, dtype, wide=True)
             if stack.wide is not None:
                 stack.wide.min_rows = widest + 1
         return stack
 
     def _add(self, index: int, layer: GemmaLayerParts, wide: bool) -> int | None:
-        """Appends ``layer``'s tensors; the most rows its projections' kernels take, or None (nothing
-        appended) when it does not fit the op."""
+        """Appends ``layer``'s tensors; the most rows its projections' bounded kernels take (0 when
+        every kernel takes any number), or None (nothing appended) when it does not fit the op."""
         rotary = layer.rotary
         if not isinstance(rotary, RotaryEmbedding) or rotary.dynamic is not None:
             return None
@@ -220,7 +227,10 @@ class GemmaDecodeStack:
             self.rotaries.append(rotary)
             self.first_layers.append(index)
         self.layer_kinds.append(kind)
-        return max(p.max_rows for p in projections if p is not None)
+        # Kernels that take any number of rows run in the wide stack too: they do not bound its steps.
+        return max(
+            (p.max_rows for p in projections if p is not None and p.max_rows < PANELS_MAX_ROWS), default=0
+        )
 
     @property
     def row_independent(self) -> bool:

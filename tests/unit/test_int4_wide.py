@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.test_int4_blocked import level_weight
 from tokenmill.layers.int4 import (
     INT4_BLOCKED_MAX_ROWS,
     INT4_WIDE_MAX_ROWS,
@@ -17,7 +18,6 @@ from tokenmill.layers.int4 import (
     int4_dequantize,
     quantize_int4,
 )
-from tokenmill.layers.level_sums import LevelWeight, pack_levels
 
 BF16 = torch.bfloat16
 needs_kernel = pytest.mark.skipif(
@@ -72,30 +72,12 @@ def test_a_rows_bits_do_not_depend_on_the_step() -> None:
         assert torch.equal(got, full[first : first + rows]), (first, rows)
 
 
-def level_weight(out_features: int, in_features: int, five: bool) -> LevelWeight:
-    """Random levels (0..15, or 0..31 with fifth bits) with float32 scales and minimums (Q4_K's kind)
-    or, for 5-bit levels, float16 ones (Q5_0's)."""
-    generator = torch.Generator().manual_seed(3)
-    levels = torch.randint(0, 32 if five else 16, (out_features, in_features), generator=generator)
-    levels = levels.to(torch.uint8)
-    groups = in_features // 32
-    scales = torch.rand(out_features, groups, generator=generator) * 1e-2 + 1e-3
-    mins = -torch.rand(out_features, groups, generator=generator) * 5e-2
-    high = None
-    if five:
-        bits = (levels >> 4).reshape(out_features, groups, 32).long() << torch.arange(32)  # [out, G, 32]
-        words = bits.sum(-1)
-        high = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-        scales, mins = scales.half(), mins.half()
-    return LevelWeight(pack_levels(levels), scales, mins, high)
-
-
 @needs_kernel
 @pytest.mark.parametrize("five", [False, True])
 def test_gguf_level_groups_take_the_wide_kernel_with_their_bfloat16_values(five: bool) -> None:
     """Float32 scales (Q4_K) and 5-bit levels (Q5_0's fifth bits): above the blocked kernel's rows the
     layer multiplies with its values rounded to bfloat16."""
-    weight = level_weight(48, 96, five)
+    weight = level_weight(48, 96, five, seed=3)
     assert weight.max_rows == INT4_WIDE_MAX_ROWS
     bf16_weight = weight.dequantize().to(BF16)  # [out, in]
     x = one_hot_rows(list(range(96)), 96)

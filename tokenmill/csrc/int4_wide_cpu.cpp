@@ -78,10 +78,8 @@ void decode_panel(const uint8_t* packed, const Scale* scales, const Scale* mins,
       const __m512 d_lo = _mm512_permutexvar_ps(pick_lo, d), d_hi = _mm512_permutexvar_ps(pick_hi, d);
       const __m512 m_lo = _mm512_permutexvar_ps(pick_lo, m), m_hi = _mm512_permutexvar_ps(pick_hi, m);
       const uint8_t* group_bytes = block_bytes + g * kBlockGroupBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + 192), _MM_HINT_T0);
+      for (int64_t line = 0; line < kBlockGroupBytes; line += 64)  // a later group's bytes, into L1
+        _mm_prefetch(reinterpret_cast<const char*>(group_bytes + kPrefetchBytes + line), _MM_HINT_T0);
       for (int64_t t = 0; t < kStepsPerGroup; ++t) {
         const __m512i words =
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_bytes + t * kStepBytes)));
@@ -215,6 +213,7 @@ at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const
   return out;
 #else
   TORCH_CHECK(false, "the int4 wide kernel needs AVX512-BF16");
+  return at::Tensor();
 #endif
 }
 

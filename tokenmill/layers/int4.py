@@ -25,7 +25,8 @@ product per row and group; method 1, the deterministic mode's), on CPUs with AMX
 (each decoded 16 x 32 weight tile multiplied with 16 rows per tile product, from ``kTilesFromRows``
 rows) and the wide kernel compute with ``round_bf16(d * q + m)`` (exact in float32 before the rounding),
 the bfloat16 weight ``int4_dequantize`` gives, which steps above :func:`int4_max_rows` (where there is
-such a bound) multiply with oneDNN's bfloat16 GEMM. The two differ by the weights' bfloat16 rounding, well within the format's own error.
+such a bound) multiply with oneDNN's bfloat16 GEMM. The exact and the rounded values differ by the
+weights' bfloat16 rounding, well within the format's own error.
 """
 
 from __future__ import annotations

@@ -2,13 +2,8 @@
 // "blocked" kernel, over a copy of layers/int4.py's weight laid out for it (layers/int4.py
 // block_int4_layout).
 //
-// Blocked layout: outputs in blocks of 16 (out_features a multiple of 16); per block and group of 32
-// input features, 8 steps of 32 bytes, step t covering features 4t..4t+3 of the group: byte j holds
-// output 16b + j/2's level of feature 4t + j%2 in its low nibble and of feature 4t + 2 + j%2 in its high
-// nibble. packed [blocks, groups, 256] uint8; scales and mins [blocks, groups, 16] float16 (the same
-// values as the row layout's, output o of the block in lane o). The same kernel serves layers/level_sums.py's
-// groups (level_sums_linear): float32 scales and minimums, and for 5-bit levels `high` [blocks, groups,
-// 16] int32, per step two masks (bit j: the fifth bit of the level byte j's low, then high, nibble holds).
+// The blocked layout: int4_blocked_layout.h. The same kernel serves layers/level_sums.py's groups
+// (level_sums_linear): float32 scales and minimums, and 5-bit levels with their fifth bits.
 //
 // What it computes: per output o and row x, sum over groups g of d_g * sum_j(x_j * q_j) + m_g * sum_j(x_j),
 // the exact weight values d*q + m (real arithmetic) with float32 accumulation, as the level-sums kernel
@@ -40,6 +35,7 @@
 
 #include "cpu_ops.h"
 #include "group_gemm.h"
+#include "int4_blocked_layout.h"
 #include "vec16.h"
 
 namespace tokenmill {
@@ -47,10 +43,8 @@ namespace {
 
 using namespace group_gemm;  // kGroup, kPrefetchBytes, TOKENMILL_GROUP_AVX512
 
-constexpr int64_t kBlockOutputs = 16;
-constexpr int64_t kStepBytes = 32;                     // 4 features x 16 outputs, two levels a byte
-constexpr int64_t kStepsPerGroup = kGroup / 4;         // 8
-constexpr int64_t kBlockGroupBytes = kStepsPerGroup * kStepBytes;  // 256
+using namespace int4_blocked;  // kBlockOutputs, kStepBytes, kStepsPerGroup, kBlockGroupBytes, load_block_constants
+
 constexpr int kChunkRows = 8;  // rows a pass over a block keeps in registers (two vectors each)
 
 #ifdef TOKENMILL_GROUP_AVX512
@@ -64,12 +58,6 @@ void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t 
     }
   }
 }
-
-// A block's 16 scales or minimums, float32.
-inline __m512 load_block_constants(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load_block_constants(const float* p) { return _mm512_loadu_ps(p); }
 
 // out[r, 16 b .. 16 b + 16) for ROWS rows (x, sums and out start at the first of them) and block b. Per row one
 // vector of group sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass,

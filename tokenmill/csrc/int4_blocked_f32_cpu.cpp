@@ -1,5 +1,5 @@
 // The int4 linear layer for steps of a few float32 rows (a float32 model: the avx2 and avx512 paths,
-// --dtype float32 anywhere) over the blocked copy of the weight (int4_blocked_cpu.cpp describes the
+// --dtype float32 anywhere) over the blocked copy of the weight (int4_blocked_layout.h describes the
 // layout; layers/int4.py block_int4_layout makes it). AVX-512F (16 outputs a vector) or AVX2 + FMA +
 // F16C (8 outputs a vector, each block of 16 in two halves).
 //

@@ -29,26 +29,19 @@
 
 #include "cpu_ops.h"
 #include "group_gemm.h"
+#include "int4_blocked_layout.h"
 
 namespace tokenmill {
 namespace {
 
 using group_gemm::kGroup;
+using namespace int4_blocked;  // kBlockOutputs, kStepBytes, kStepsPerGroup, kBlockGroupBytes, load_block_constants
 
-constexpr int64_t kBlockOutputs = 16;
-constexpr int64_t kStepBytes = 32;
-constexpr int64_t kStepsPerGroup = kGroup / 4;                   // 8
-constexpr int64_t kBlockGroupBytes = kStepsPerGroup * kStepBytes;  // 256
 constexpr int kPanelBlocks = 2;  // outputs a panel: 2 x 16, decoded once per call
 constexpr int kTileRows = 12;    // rows a tile keeps in registers: 12 x 2 accumulators
 constexpr int64_t kPrefetchBytes = 2048;
 
 #ifdef TOKENMILL_GROUP_AVX512
-
-inline __m512 load_block_constants(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load_block_constants(const float* p) { return _mm512_loadu_ps(p); }
 
 // The 16 outputs x 2 features of 32 levels (word j: output j / 2, feature j % 2) as bfloat16 weights
 // round_bf16(d * q + m), in the same word order; d_lo / m_lo hold outputs 0..7 in lanes (2i, 2i + 1), d_hi /

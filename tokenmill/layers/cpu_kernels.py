@@ -51,6 +51,7 @@ HEADERS = [
     CSRC / "vec16.h",
     CSRC / "cpu_ops.h",
     CSRC / "group_gemm.h",
+    CSRC / "int4_blocked_layout.h",
     CSRC / "f32_lanes.h",
     CSRC / "amx_tiles.h",
     CSRC / "tile_layout.h",

@@ -35,13 +35,14 @@ from tokenmill.layers.attention.cpu_paged import StackAttention
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.batch_invariant import row_kernel_available
 from tokenmill.layers.forward_batch import ForwardBatch
-from tokenmill.layers.int4 import INT4_FLOAT32_MAX_ROWS
+from tokenmill.layers.int4 import INT4_FLOAT32_MAX_ROWS, INT4_WIDE_MAX_ROWS
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.step_control import LayerProgress
 
-# The float32 panel kernel takes any number of rows; the fused stack then takes as many.
-PANELS_MAX_ROWS = 1 << 30
+# The float32 panel kernel takes any number of rows; the fused stack then takes as many. One bound for
+# every kernel that does (int4's wide kernel too), so that a stack's max_rows at it means "every step".
+PANELS_MAX_ROWS = INT4_WIDE_MAX_ROWS
 
 
 @runtime_checkable

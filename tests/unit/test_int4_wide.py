@@ -97,3 +97,48 @@ def test_the_wide_kernel_refuses_rows_it_cannot_read_in_pairs() -> None:
     with pytest.raises(RuntimeError, match="contiguous features and an even row stride"):
         torch.ops.tokenmill.int4_linear(odd_stride, *blocked)
     assert torch.ops.tokenmill.int4_linear(odd_stride[:INT4_BLOCKED_MAX_ROWS], *blocked).shape == (16, 32)
+
+
+def blocked_silu_and_mul(x: torch.Tensor, blocked: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    return torch.ops.tokenmill.int4_linear_blocked_silu_and_mul(x, *blocked)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(3072, 576), (64, 96)])
+def test_the_gate_up_activation_in_the_epilogue_is_silu_and_mul_bit_for_bit(shape: tuple[int, int]) -> None:
+    """``int4_linear_blocked_silu_and_mul`` (the decoder stack's gate_up and activation in one call: the wide
+    kernel's epilogue pairs gate block p with up block p + blocks / 2) gives the bits of ``silu_and_mul``
+    over the product, on the blocked kernel's steps and the wide kernel's; large gates included."""
+    out_features, in_features = shape
+    packed, scales, mins = quantize_int4(torch.randn(shape) / in_features**0.5 * 8 + 0.01)
+    blocked = Int4Weight(packed, scales, mins).blocked()
+    assert blocked is not None
+    for rows in (1, 5, INT4_BLOCKED_MAX_ROWS, WIDE, 30, 64):
+        x = torch.randn(rows, in_features, dtype=BF16)
+        product = torch.ops.tokenmill.int4_linear(x, *blocked)  # [rows, 2 * intermediate]
+        got = blocked_silu_and_mul(x, blocked)
+        assert got.shape == (rows, out_features // 2)
+        assert torch.equal(got, torch.ops.tokenmill.silu_and_mul(product)), rows
+    reference = (
+        torch.nn.functional.silu(product[:, : out_features // 2].float()).to(BF16)
+        * product[:, out_features // 2 :]
+    )
+    assert torch.equal(got, reference)  # transformers' LlamaMLP in bfloat16
+
+
+@needs_kernel
+@pytest.mark.parametrize("five", [False, True])
+def test_gguf_level_groups_get_the_activation_in_the_epilogue(five: bool) -> None:
+    weight = level_weight(64, 96, five, seed=5)
+    blocked = weight.kernel_tensors()
+    assert blocked[0].dim() == 3  # the blocked layout
+    x = torch.randn(WIDE + 3, 96, dtype=BF16)
+    assert torch.equal(blocked_silu_and_mul(x, blocked), torch.ops.tokenmill.silu_and_mul(weight.linear(x)))
+
+
+@needs_kernel
+def test_the_activation_needs_whole_blocks_of_gates_and_ups() -> None:
+    blocked = Int4Weight(*quantize_int4(torch.randn(48, 64))).blocked()  # 3 blocks of 16 outputs
+    assert blocked is not None
+    with pytest.raises(RuntimeError, match="gate and up halves of whole blocks of 16 outputs, got 3 blocks"):
+        blocked_silu_and_mul(torch.randn(WIDE, 64, dtype=BF16), blocked)

@@ -47,6 +47,14 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
 // round_bf16(d * q + m), for steps of many rows; needs int4_blocked_available().
 at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             const at::Tensor& mins, const std::optional<at::Tensor>& high);
+// silu_and_mul(int4_linear_wide(x, ...)) bit for bit, LlamaMLP's activation in the wide kernel's epilogue: the
+// weight's first half of blocks the gates, the second the ups; [rows, blocks * 8] bfloat16.
+at::Tensor int4_linear_wide_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                         const at::Tensor& mins, const std::optional<at::Tensor>& high);
+// silu_and_mul(int4_linear_blocked(x, ...)) bit for bit, for gate_up weights in the blocked layout: bfloat16
+// steps of more than kInt4BlockedMaxRows rows run int4_linear_wide_silu_and_mul.
+at::Tensor int4_linear_blocked_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                            const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // int4_blocked_f32_cpu.cpp: float32 rows times the blocked layout, the format checked by the caller.
 bool int4_blocked_f32_available();
 at::Tensor int4_linear_blocked_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

@@ -9,7 +9,8 @@
 //   x = linear(attention(q), o)               (decode rows: paged_attention_decode; chunks:
 //                                              paged_prefill_attention)
 //   x, residual = add_rms_norm(x, residual)
-//   return linear(silu_and_mul(linear(x, gate_up)), down)
+//   return linear(silu_and_mul(linear(x, gate_up)), down)   (a gate_up in the blocked int4 layout: one call,
+//                                              int4_linear_blocked_silu_and_mul, bitwise the same)
 // and after the last layer: x, residual = add_rms_norm(x, residual) with the final norm's weight.
 // `linear` is int4_linear for int4 weights (bfloat16 activations, or float32 ones: the weights' float32
 // values), f32_panel_linear for float32 panels (float32 activations, on CPUs without AVX-512), and
@@ -190,6 +191,17 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
     return bias.has_value() ? at::add(out, *bias) : out;
   };
 
+  // silu_and_mul(linear(x, 2)) [S, intermediate]; a gate_up weight in the blocked layout whose halves are whole
+  // blocks computes it in one call (the wide kernel's epilogue on steps of many rows), bit for bit.
+  const auto activated_gate_up = [&](const at::Tensor& x) {
+    const size_t first = 2 + layout.per_projection * 2;
+    if (layout.per_projection == 3 && weights[first].dim() == 3 && weights[first].size(0) % 2 == 0 &&
+        !biases.get(first_bias + 2).has_value())
+      return ops::int4_linear_blocked_silu_and_mul(x, weights[first], weights[first + 1], weights[first + 2],
+                                                   std::nullopt);
+    return ops::silu_and_mul(linear(x, 2));
+  };
+
   at::Tensor normed;
   if (skip.defined()) {
     ops::add_rms_norm(hidden, skip, input_norm, eps);
@@ -218,8 +230,7 @@ at::Tensor decode_layer(at::Tensor hidden, at::Tensor& skip, c10::ArrayRef<at::T
 
   at::Tensor x = linear(attended.view({rows, q_size}), 1);  // [S, hidden]
   ops::add_rms_norm(x, skip, post_norm, eps);
-  const at::Tensor gate_up = linear(x, 2);                    // [S, 2 * intermediate]
-  return linear(ops::silu_and_mul(gate_up), 3);              // [S, hidden]
+  return linear(activated_gate_up(x), 3);  // [S, hidden]
 }
 
 std::tuple<at::Tensor, at::Tensor, int64_t> llama_decode_stack(at::Tensor hidden, const std::vector<at::Tensor>& weights,

@@ -232,10 +232,7 @@ void silu_and_mul_rows(const T* xp, int64_t x_stride, T* op, int64_t rows, int64
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (int64_t i = 0; i < size; i += vec::kLanes) {
           const int n = static_cast<int>(std::min<int64_t>(vec::kLanes, size - i));
-          const vec::Vec g = vec::load(gate + i, n);
-          const vec::Vec e = vec::exp(vec::mul(g, vec::splat(-1.0f)));
-          const vec::Vec act = vec::round_bf16(vec::div(g, vec::add(vec::splat(1.0f), e)));
-          vec::store(o + i, vec::mul(act, vec::load(up + i, n)), n);
+          vec::store(o + i, vec::silu_and_mul_bf16(vec::load(gate + i, n), vec::load(up + i, n)), n);
         }
         continue;
       }

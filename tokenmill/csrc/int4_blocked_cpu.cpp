@@ -45,7 +45,7 @@ using namespace group_gemm;  // kGroup, kPrefetchBytes, TOKENMILL_GROUP_AVX512
 
 using namespace int4_blocked;  // kBlockOutputs, kStepBytes, kStepsPerGroup, kBlockGroupBytes, load_block_constants
 
-constexpr int kChunkRows = 8;  // rows a pass over a block keeps in registers (two vectors each)
+constexpr int kChunkRows = 12;  // most rows a pass over a block keeps in registers (two vectors each)
 
 #ifdef TOKENMILL_GROUP_AVX512
 
@@ -59,10 +59,12 @@ void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t 
   }
 }
 
-// out[r, 16 b .. 16 b + 16) for ROWS rows (x, sums and out start at the first of them) and block b. Per row one
-// vector of group sums (a chain of 16 dot products per group) and one accumulator. (Two or four blocks a pass,
-// for more independent chains, measured slower at every row count: 37-43 vs 35 us on SmolLM2's gate_up at one
-// and two rows; one stream each thread prefetches well.)
+// out[r, 16 b .. 16 b + 16) for ROWS rows (x, sums and out start at the first of them) and block b. Per row and
+// group two chains of 8 dot products in registers, one over each step's features 4t, 4t + 1 and one over 4t + 2,
+// 4t + 3, added at the group's end (one chain of 16 waited on the dot product's latency: 9 rows 20%, 5 rows 9%
+// slower on a Zen 5); the accumulators across groups stay in the first level of cache, so that 12 rows fit a
+// pass. (Two or four blocks a pass, for more independent chains, measured slower at every row count: 37-43 vs
+// 35 us on SmolLM2's gate_up at one and two rows; one stream each thread prefetches well.)
 template <int ROWS, typename Scale, bool FIVE>
 void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
                   const Scale* scales, const Scale* mins, const uint32_t* high, c10::BFloat16* out,
@@ -72,11 +74,11 @@ void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, i
   const __m512i bias_128 = _mm512_set1_epi16(0x4300);
   const __m512 minus_128 = _mm512_set1_ps(-128.0f);
   const uint8_t* block_bytes = packed + block * groups * kBlockGroupBytes;
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) float acc[ROWS][kBlockOutputs];
+  for (int r = 0; r < ROWS; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 sum[ROWS];
-    for (int r = 0; r < ROWS; ++r) sum[r] = _mm512_setzero_ps();
+    __m512 sum_low[ROWS], sum_high[ROWS];
+    for (int r = 0; r < ROWS; ++r) sum_low[r] = sum_high[r] = _mm512_setzero_ps();
     for (int64_t t = 0; t < kStepsPerGroup; ++t) {
       const uint8_t* bytes = block_bytes + g * kBlockGroupBytes + t * kStepBytes;
       if ((t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes), _MM_HINT_T0);
@@ -95,21 +97,22 @@ void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, i
         int32_t pair_low, pair_high;  // features (4t, 4t + 1) and (4t + 2, 4t + 3) of row r
         std::memcpy(&pair_low, x + r * x_stride + feature, sizeof(pair_low));
         std::memcpy(&pair_high, x + r * x_stride + feature + 2, sizeof(pair_high));
-        sum[r] = _mm512_dpbf16_ps(sum[r], low, (__m512bh)_mm512_set1_epi32(pair_low));
-        sum[r] = _mm512_dpbf16_ps(sum[r], high, (__m512bh)_mm512_set1_epi32(pair_high));
+        sum_low[r] = _mm512_dpbf16_ps(sum_low[r], low, (__m512bh)_mm512_set1_epi32(pair_low));
+        sum_high[r] = _mm512_dpbf16_ps(sum_high[r], high, (__m512bh)_mm512_set1_epi32(pair_high));
       }
     }
     const int64_t at = (block * groups + g) * kBlockOutputs;
     const __m512 d = load_block_constants(scales + at);
     const __m512 m = _mm512_fmadd_ps(minus_128, d, load_block_constants(mins + at));
     for (int r = 0; r < ROWS; ++r) {
-      acc[r] = _mm512_fmadd_ps(sum[r], d, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
+      __m512 a = _mm512_fmadd_ps(_mm512_add_ps(sum_low[r], sum_high[r]), d, _mm512_load_ps(acc[r]));
+      a = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), a);
+      _mm512_store_ps(acc[r], a);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + block * kBlockOutputs),
-                        (__m256i)_mm512_cvtneps_pbh(acc[r]));
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[r])));
   }
 }
 
@@ -127,17 +130,21 @@ void blocked_dispatch(int64_t rows, const c10::BFloat16* x, int64_t x_stride, co
   blocked_rows<ROWS, Scale, FIVE>(x, x_stride, sums, groups, packed, scales, mins, high, out, out_stride, block);
 }
 
-// Blocks [begin, end) for all `rows` rows: per block, the rows in chunks of kChunkRows (the block's weights,
-// a few KB, decoded again per chunk from the first level of cache).
+// Blocks [begin, end) for all `rows` rows: per block, the rows in passes of at most kChunkRows, of equal size
+// within a row (16 rows: 8 and 8, not 12 and 4, whose 4-row pass keeps too few chains in flight); the block's
+// weights, a few KB, are decoded again per pass from the first level of cache.
 template <typename Scale, bool FIVE>
 void blocked_blocks(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
                     const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
                     c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
   for (int64_t block = begin; block < end; ++block) {
-    for (int64_t first = 0; first < rows; first += kChunkRows) {
-      blocked_dispatch<kChunkRows, Scale, FIVE>(std::min<int64_t>(kChunkRows, rows - first), x + first * x_stride,
-                                                x_stride, sums + first * groups, groups, packed, scales, mins, high,
-                                                out + first * out_stride, out_stride, block);
+    const int64_t passes = (rows + kChunkRows - 1) / kChunkRows;
+    for (int64_t pass = 0, first = 0; pass < passes; ++pass) {
+      const int64_t pass_rows = (rows - first) / (passes - pass);
+      blocked_dispatch<kChunkRows, Scale, FIVE>(pass_rows, x + first * x_stride, x_stride, sums + first * groups,
+                                                groups, packed, scales, mins, high, out + first * out_stride,
+                                                out_stride, block);
+      first += pass_rows;
     }
   }
 }
@@ -225,9 +232,22 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
   return out;
 }
 
+at::Tensor int4_linear_blocked_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                            const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  check_blocked_format(packed, scales, mins, high);
+  TORCH_CHECK(packed.size(0) % 2 == 0, "silu_and_mul needs gate and up halves of whole blocks of ", kBlockOutputs,
+              " outputs, got ", packed.size(0), " blocks");
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kInt4BlockedMaxRows)
+    return int4_linear_wide_silu_and_mul(x, packed, scales, mins, high);
+  return silu_and_mul(int4_linear_blocked(x, packed, scales, mins, high));
+}
+
 }  // namespace tokenmill::ops
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int4_blocked_available() -> bool", &tokenmill::ops::int4_blocked_available);
   m.def("int4_blocked_max_rows() -> int", &tokenmill::ops::int4_blocked_max_rows);
+  m.def("int4_linear_blocked_silu_and_mul(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? high=None) -> "
+        "Tensor",
+        &tokenmill::ops::int4_linear_blocked_silu_and_mul);
 }

@@ -30,6 +30,7 @@
 #include "cpu_ops.h"
 #include "group_gemm.h"
 #include "int4_blocked_layout.h"
+#include "vec16.h"
 
 namespace tokenmill {
 namespace {
@@ -53,17 +54,17 @@ inline __m512bh weights_of(__m512i levels, __m512 d_lo, __m512 m_lo, __m512 d_hi
   return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d_hi, m_hi), _mm512_fmadd_ps(lo, d_lo, m_lo));
 }
 
-// Decodes blocks [block, block + count) into panel[pair * count + j] (j: the block), pair = input feature pair
+// Decodes blocks block + j * block_step (j < count) into panel[pair * count + j], pair = input feature pair
 // (2 pair, 2 pair + 1).
 template <typename Scale, bool FIVE>
 void decode_panel(const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
-                  int64_t groups, int64_t block, int count, __m512bh* panel) {
+                  int64_t groups, int64_t block, int64_t block_step, int count, __m512bh* panel) {
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const __m512i fifth_bit = _mm512_set1_epi16(16);
   const __m512i pick_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i pick_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   for (int j = 0; j < count; ++j) {
-    const int64_t b = block + j;
+    const int64_t b = block + j * block_step;
     const uint8_t* block_bytes = packed + b * groups * kBlockGroupBytes;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = (b * groups + g) * kBlockOutputs;
@@ -91,9 +92,15 @@ void decode_panel(const uint8_t* packed, const Scale* scales, const Scale* mins,
   }
 }
 
+// The bfloat16 value of each lane of a float32 sum, as float32: what a bfloat16 store and a load give.
+inline vec::Vec bf16_value(__m512 sum) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sum)), 16))};
+}
+
 // out[r, 16 b ..) for ROWS rows (x and out start at the first) and the panel's COUNT blocks: per feature pair,
-// COUNT weight vectors times each row's broadcast pair, one accumulator per row and block.
-template <int ROWS, int COUNT>
+// COUNT weight vectors times each row's broadcast pair, one accumulator per row and block. SILU (COUNT 2, a
+// gate block then its up block): out[r, 0..16) = silu_and_mul of the two blocks' bfloat16 outputs instead.
+template <int ROWS, int COUNT, bool SILU>
 void panel_tile(const c10::BFloat16* x, int64_t x_stride, int64_t pairs, const __m512bh* panel, c10::BFloat16* out,
                 int64_t out_stride) {
   __m512 acc[ROWS][COUNT];
@@ -109,26 +116,35 @@ void panel_tile(const c10::BFloat16* x, int64_t x_stride, int64_t pairs, const _
       for (int j = 0; j < COUNT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], a);
     }
   }
+  if constexpr (SILU) {
+    static_assert(COUNT == 2, "silu_and_mul pairs a gate block with its up block");
+    for (int r = 0; r < ROWS; ++r)
+      vec::store(out + r * out_stride, vec::silu_and_mul_bf16(bf16_value(acc[r][0]), bf16_value(acc[r][1])),
+                 vec::kLanes);
+    return;
+  }
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < COUNT; ++j)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + j * kBlockOutputs),
                           (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-template <int ROWS, int COUNT>
+template <int ROWS, int COUNT, bool SILU>
 void tile_dispatch(int rows, const c10::BFloat16* x, int64_t x_stride, int64_t pairs, const __m512bh* panel,
                    c10::BFloat16* out, int64_t out_stride) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) {
-      tile_dispatch<ROWS - 1, COUNT>(rows, x, x_stride, pairs, panel, out, out_stride);
+      tile_dispatch<ROWS - 1, COUNT, SILU>(rows, x, x_stride, pairs, panel, out, out_stride);
       return;
     }
   }
-  panel_tile<ROWS, COUNT>(x, x_stride, pairs, panel, out, out_stride);
+  panel_tile<ROWS, COUNT, SILU>(x, x_stride, pairs, panel, out, out_stride);
 }
 
-// Panels [begin, end) of kPanelBlocks blocks (the last may hold one): decode, then every tile of rows.
-template <typename Scale, bool FIVE>
+// Panels [begin, end) of kPanelBlocks blocks (the last may hold one): decode, then every tile of rows. SILU:
+// panel p is gate block p and up block p + blocks / 2 (blocks even), and writes silu_and_mul's 16 outputs
+// out[:, 16 p ..).
+template <typename Scale, bool FIVE, bool SILU>
 void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t groups, int64_t blocks,
                  const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
                  c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
@@ -142,9 +158,9 @@ void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t
   }
   __m512bh* panel = scratch.get();
   for (int64_t p = begin; p < end; ++p) {
-    const int64_t block = p * kPanelBlocks;
-    const int count = static_cast<int>(std::min<int64_t>(kPanelBlocks, blocks - block));
-    decode_panel<Scale, FIVE>(packed, scales, mins, high, groups, block, count, panel);
+    const int64_t block = SILU ? p : p * kPanelBlocks;
+    const int count = SILU ? kPanelBlocks : static_cast<int>(std::min<int64_t>(kPanelBlocks, blocks - block));
+    decode_panel<Scale, FIVE>(packed, scales, mins, high, groups, block, SILU ? blocks / 2 : 1, count, panel);
     c10::BFloat16* panel_out = out + block * kBlockOutputs;
     // Tiles of equal size, within a row (13 rows: 6 and 7, not 12 and 1): a small tile keeps too few
     // accumulator chains in flight for the two dot-product pipes.
@@ -152,11 +168,11 @@ void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t
     for (int64_t t = 0, first = 0; t < tiles; ++t) {
       const int tile = static_cast<int>((rows - first) / (tiles - t));
       if (count == kPanelBlocks)
-        tile_dispatch<kTileRows, kPanelBlocks>(tile, x + first * x_stride, x_stride, pairs, panel,
-                                               panel_out + first * out_stride, out_stride);
-      else
-        tile_dispatch<kTileRows, 1>(tile, x + first * x_stride, x_stride, pairs, panel,
-                                    panel_out + first * out_stride, out_stride);
+        tile_dispatch<kTileRows, kPanelBlocks, SILU>(tile, x + first * x_stride, x_stride, pairs, panel,
+                                                     panel_out + first * out_stride, out_stride);
+      else if constexpr (!SILU)
+        tile_dispatch<kTileRows, 1, false>(tile, x + first * x_stride, x_stride, pairs, panel,
+                                           panel_out + first * out_stride, out_stride);
       first += tile;
     }
   }
@@ -167,47 +183,77 @@ void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t
 }  // namespace
 }  // namespace tokenmill
 
-namespace tokenmill::ops {
+namespace tokenmill {
+namespace {
 
-// x [rows, in] bfloat16 (contiguous features, an even row stride) times the weight in the blocked layout, whose
-// format (and x's width) int4_linear_blocked checked: [rows, blocks * 16] bfloat16.
-at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+// The checks and the run of both ops: silu false, [rows, blocks * 16]; true, [rows, blocks * 8].
+at::Tensor run_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                    const std::optional<at::Tensor>& high, bool silu) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
                   x.stride(0) % 2 == 0 && x.size(0) >= 1,
               "the int4 wide kernel takes a bfloat16 CPU tensor x [rows, in] (at least one row) with contiguous "
               "features and an even row stride");
   TORCH_CHECK(x.size(1) == packed.size(1) * kGroup, "x has ", x.size(1), " features, the weight ",
               packed.size(1) * kGroup);
+  TORCH_CHECK(!silu || packed.size(0) % 2 == 0, "silu_and_mul needs gate and up halves of whole blocks of ",
+              kBlockOutputs, " outputs, got ", packed.size(0), " blocks");
 #ifdef TOKENMILL_GROUP_AVX512
   const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
-  const int64_t out_features = blocks * kBlockOutputs;
+  const int64_t out_features = silu ? blocks / 2 * kBlockOutputs : blocks * kBlockOutputs;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<uint8_t>();
   const auto* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
-  const int64_t panels = (blocks + kPanelBlocks - 1) / kPanelBlocks;
-  const auto run = [&](const auto* dp, const auto* mp) {
+  const int64_t panels = silu ? blocks / 2 : (blocks + kPanelBlocks - 1) / kPanelBlocks;
+  const auto run = [&](const auto* dp, const auto* mp, auto five, auto with_silu) {
     using Scale = std::remove_const_t<std::remove_pointer_t<decltype(dp)>>;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      if (hp != nullptr)
-        wide_panels<Scale, true>(rows, xp, x_stride, groups, blocks, wp, dp, mp, hp, op, out_features, begin, end);
-      else
-        wide_panels<Scale, false>(rows, xp, x_stride, groups, blocks, wp, dp, mp, nullptr, op, out_features, begin,
-                                  end);
+      wide_panels<Scale, decltype(five)::value, decltype(with_silu)::value>(rows, xp, x_stride, groups, blocks, wp,
+                                                                            dp, mp, hp, op, out_features, begin, end);
     });
   };
-  if (scales.scalar_type() == at::kFloat)
-    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  const auto run_scales = [&](auto five, auto with_silu) {
+    if (scales.scalar_type() == at::kFloat)
+      run(scales.data_ptr<float>(), mins.data_ptr<float>(), five, with_silu);
+    else
+      run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), five, with_silu);
+  };
+  const auto run_silu = [&](auto five) {
+    if (silu)
+      run_scales(five, std::true_type{});
+    else
+      run_scales(five, std::false_type{});
+  };
+  if (hp != nullptr)
+    run_silu(std::true_type{});
   else
-    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+    run_silu(std::false_type{});
   return out;
 #else
   TORCH_CHECK(false, "the int4 wide kernel needs AVX512-BF16");
   return at::Tensor();
 #endif
+}
+
+}  // namespace
+}  // namespace tokenmill
+
+namespace tokenmill::ops {
+
+// x [rows, in] bfloat16 (contiguous features, an even row stride) times the weight in the blocked layout, whose
+// format (and x's width) int4_linear_blocked checked: [rows, blocks * 16] bfloat16.
+at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  return run_wide(x, packed, scales, mins, high, false);
+}
+
+// silu_and_mul(int4_linear_wide(x, ...)) bit for bit, without the [rows, blocks * 16] product: the weight's
+// first half of blocks are the gates, the second the ups (LlamaMLP's gate_up). [rows, blocks * 8] bfloat16.
+at::Tensor int4_linear_wide_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                         const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  return run_wide(x, packed, scales, mins, high, true);
 }
 
 }  // namespace tokenmill::ops

@@ -446,5 +446,13 @@ inline Vec reduce_rows(const float* rows) {
 
 #endif
 
+// One vector of silu_and_mul over bfloat16 halves: silu(gate) rounded to bfloat16, times up (gate and up
+// hold bfloat16 values; the caller's bfloat16 store rounds the product). Every kernel that computes
+// LlamaMLP's activation in bfloat16 calls this, so they agree bit for bit.
+inline Vec silu_and_mul_bf16(Vec gate, Vec up) {
+  const Vec e = exp(mul(gate, splat(-1.0f)));
+  return mul(round_bf16(div(gate, add(splat(1.0f), e))), up);
+}
+
 }  // namespace vec
 }  // namespace tokenmill

@@ -49,8 +49,9 @@ GROUP_SIZE = 32
 INT4_MAX_ROWS = 8
 INT4_MAX_ROWS_WITH_TILES = 128
 # Without AMX, where the blocked kernel runs (csrc/int4_blocked_cpu.cpp: 16 outputs a vector, rows in
-# passes of 8 over each block's weights), it takes steps of up to this many rows: SmolLM2's four
-# projections at 16 rows 187 us against oneDNN's 301 on a 2-core Zen 5 (1.2x at 32, even at 64). On
+# passes of up to 12 over each block's weights), it takes steps of up to this many rows: SmolLM2's four
+# projections at 16 rows 187 us (passes of 8; 175-179 in passes of 8 and 8 with two chains of sums a row)
+# against oneDNN's 301 on a 2-core Zen 5 (1.2x at 32, even at 64). On
 # a Zen 4 (512-bit instructions in two passes) its gate_up, 97 us at 8 rows and ~9 us a row more,
 # stays under oneDNN's 203 us at 8 rows up to 16; 32 was not measured there (docs/performance.md).
 INT4_BLOCKED_MAX_ROWS = 16

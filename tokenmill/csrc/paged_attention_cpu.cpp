@@ -165,6 +165,7 @@ struct Chunk {
   const void* const* v_rows;  // [n]
   int64_t n;
   Rows next;
+  int64_t share = 0;  // ceil(2^16 / n), for share_of
 };
 
 inline void prefetch_rows(const void* const* rows, int64_t from, int64_t bytes, int64_t first, int64_t last) {
@@ -181,13 +182,17 @@ inline void prefetch_rows(const void* const* rows, int64_t from, int64_t bytes, 
 // the pool, so the hardware prefetcher cannot guess them. Keys are asked for while keys are scored
 // and values while values are summed, so both streams stay in flight the whole time. Into L2, which
 // tracks more outstanding misses than L1.
+// Position i's share of the next rows, [i * next.n / n, (i + 1) * next.n / n) rounded down, by a multiply
+// and a shift with `c.share` = ceil(2^16 / n) (n, next.n <= kChunkTokens): two integer divisions a position
+// and KV head held the divider for most of a position's time.
+inline int64_t share_of(const Chunk& c, int64_t i) { return (i * c.next.n * c.share) >> 16; }
 inline void prefetch_next_keys(const Chunk& c, int64_t i) {
   if (c.next.n == 0) return;
-  prefetch_rows(c.next.k_rows, c.next.k_from, c.next.bytes, i * c.next.n / c.n, (i + 1) * c.next.n / c.n);
+  prefetch_rows(c.next.k_rows, c.next.k_from, c.next.bytes, share_of(c, i), share_of(c, i + 1));
 }
 inline void prefetch_next_values(const Chunk& c, int64_t i) {
   if (c.next.n == 0) return;
-  prefetch_rows(c.next.v_rows, c.next.v_from, c.next.bytes, i * c.next.n / c.n, (i + 1) * c.next.n / c.n);
+  prefetch_rows(c.next.v_rows, c.next.v_from, c.next.bytes, share_of(c, i), share_of(c, i + 1));
 }
 inline void prefetch_next(const Chunk& c, int64_t i) {
   prefetch_next_keys(c, i);
@@ -506,8 +511,10 @@ void attend_range(const Problem<scalar_t>& p, Scratch& s, const int64_t* table, 
     const int64_t next = pos + kChunkTokens;
     const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunkTokens, end - next));
     if (next_n > 0) find_rows(p, table, next, next_n, s.k_rows[1 - cur], s.v_rows[1 - cur]);
-    const Chunk chunk{s.k_rows[cur], s.v_rows[cur], std::min<int64_t>(kChunkTokens, end - pos),
-                      Rows{s.k_rows[1 - cur], s.v_rows[1 - cur], next_n, 0, 0, p.head_dim * elem}};
+    const int64_t n = std::min<int64_t>(kChunkTokens, end - pos);
+    const Chunk chunk{s.k_rows[cur], s.v_rows[cur], n,
+                      Rows{s.k_rows[1 - cur], s.v_rows[1 - cur], next_n, 0, 0, p.head_dim * elem},
+                      ((int64_t{1} << 16) + n - 1) / n};
     const bool last = next_n == 0 && after != nullptr && after->n > 0;
     for (int64_t m = 0; m < num_members; ++m) {
       s.base = members[m].base;

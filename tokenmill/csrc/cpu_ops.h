@@ -48,7 +48,8 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
 at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // silu_and_mul(int4_linear_wide(x, ...)) bit for bit, LlamaMLP's activation in the wide kernel's epilogue: the
-// weight's first half of blocks the gates, the second the ups; [rows, blocks * 8] bfloat16.
+// weight's first half of blocks the gates, the second the ups (an even number of blocks, which the caller,
+// int4_linear_blocked_silu_and_mul, checked); [rows, blocks * 8] bfloat16.
 at::Tensor int4_linear_wide_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                          const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // silu_and_mul(int4_linear_blocked(x, ...)) bit for bit, for gate_up weights in the blocked layout: bfloat16

@@ -186,7 +186,8 @@ void wide_panels(int64_t rows, const c10::BFloat16* x, int64_t x_stride, int64_t
 namespace tokenmill {
 namespace {
 
-// The checks and the run of both ops: silu false, [rows, blocks * 16]; true, [rows, blocks * 8].
+// The checks and the run of both ops: silu false, [rows, blocks * 16]; true, [rows, blocks * 8] (an even number
+// of blocks, which int4_linear_blocked_silu_and_mul checked).
 at::Tensor run_wide(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                     const std::optional<at::Tensor>& high, bool silu) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
@@ -195,8 +196,6 @@ at::Tensor run_wide(const at::Tensor& x, const at::Tensor& packed, const at::Ten
               "features and an even row stride");
   TORCH_CHECK(x.size(1) == packed.size(1) * kGroup, "x has ", x.size(1), " features, the weight ",
               packed.size(1) * kGroup);
-  TORCH_CHECK(!silu || packed.size(0) % 2 == 0, "silu_and_mul needs gate and up halves of whole blocks of ",
-              kBlockOutputs, " outputs, got ", packed.size(0), " blocks");
 #ifdef TOKENMILL_GROUP_AVX512
   const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
   const int64_t out_features = silu ? blocks / 2 * kBlockOutputs : blocks * kBlockOutputs;
@@ -250,7 +249,8 @@ at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const
 }
 
 // silu_and_mul(int4_linear_wide(x, ...)) bit for bit, without the [rows, blocks * 16] product: the weight's
-// first half of blocks are the gates, the second the ups (LlamaMLP's gate_up). [rows, blocks * 8] bfloat16.
+// first half of blocks are the gates, the second the ups (LlamaMLP's gate_up; their number even, as
+// int4_linear_blocked_silu_and_mul checked). [rows, blocks * 8] bfloat16.
 at::Tensor int4_linear_wide_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                          const at::Tensor& mins, const std::optional<at::Tensor>& high) {
   return run_wide(x, packed, scales, mins, high, true);

@@ -253,6 +253,42 @@ void score_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t
 // path above, so they are never rounded.
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1u); }
 
+// Head dim 64 (one pass of two 32-pair steps), a whole group of 16 positions: each position's
+// partial dot products join the transpose-and-add tree of reduce_rows in registers as they are made
+// (`held[L]`: the level-L unit waiting for its sibling), instead of going through the scratch and
+// back; the same additions in the same order as finish_scores, so the same bits.
+template <int L, int I, int NG>
+inline void join_tree(__m512 (&held)[4][NG], __m512 (&v)[NG], __m512 (&out)[NG]) {
+  if constexpr (L == 4) {
+    for (int g = 0; g < NG; ++g) out[g] = v[g];
+  } else if constexpr (((I >> L) & 1) != 0) {
+    for (int g = 0; g < NG; ++g) v[g] = vec::rows_tree_level<L>(held[L][g], v[g]);
+    join_tree<L + 1, I, NG>(held, v, out);
+  } else {
+    for (int g = 0; g < NG; ++g) held[L][g] = v[g];
+  }
+}
+
+template <int I, int NG>
+inline void score_position64(const __m512i (&q)[NG][2], const Chunk& c, int64_t tg, int64_t k_off, bool prefetch,
+                             __m512 (&held)[4][NG], __m512 (&out)[NG]) {
+  if (prefetch) prefetch_next_keys(c, tg + I);
+  const c10::BFloat16* k = static_cast<const c10::BFloat16*>(c.k_rows[tg + I]) + k_off;
+  const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 32);
+  __m512 v[NG];
+  for (int g = 0; g < NG; ++g)
+    v[g] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[g][0], (__m512bh)k0),
+                            (__m512bh)q[g][1], (__m512bh)k1);
+  join_tree<0, I, NG>(held, v, out);
+}
+
+template <int NG, size_t... I>
+inline void score_group64(const __m512i (&q)[NG][2], const Chunk& c, int64_t tg, int64_t k_off, bool prefetch,
+                          __m512 (&out)[NG], std::index_sequence<I...>) {
+  __m512 held[4][NG];
+  (score_position64<static_cast<int>(I), NG>(q, c, tg, k_off, prefetch, held, out), ...);
+}
+
 template <int NG, int kChunks>
 void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, int64_t k_off, int64_t h0,
                  bool prefetch) {
@@ -263,6 +299,17 @@ void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, in
   const c10::BFloat16* q_heads = s.q_bf16 + h0 * p.q_stride_head;
   for (int64_t tg = 0; tg < n; tg += kLanes) {
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - tg));
+    if constexpr (kChunks == 4) {
+      if (m == kLanes) {
+        __m512i q[NG][2];
+        for (int g = 0; g < NG; ++g)
+          for (int j = 0; j < 2; ++j) q[g][j] = _mm512_loadu_si512(q_heads + g * p.q_stride_head + j * 32);
+        __m512 sums[NG];
+        score_group64<NG>(q, c, tg, k_off, prefetch, sums, std::make_index_sequence<kLanes>{});
+        for (int g = 0; g < NG; ++g) store(&s.scores[g][tg], mul(Vec{sums[g]}, splat(p.scale)), kLanes);
+        continue;
+      }
+    }
     for (int64_t c0 = 0; c0 < chunks; c0 += kPairSpan) {
       __m512i q[NG][kPairSpan];
       for (int g = 0; g < NG; ++g)

@@ -128,28 +128,40 @@ inline int first_equal(Vec a, float x) {
 }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 
+// The levels of reduce_rows' transpose-and-add tree, each adding two units of the level below (rows,
+// pairs, quads, octets) into one: reduce_rows and callers that build the tree in registers as rows
+// arrive (paged decode attention's scores) add in the same order, so they get the same bits.
+// Level 0: lanes hold partial sums of rows (a, b), interleaved.
+inline __m512 rows_tree_level0(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+// Level 1: each 128-bit block holds the sums of four rows over that block's columns.
+inline __m512 rows_tree_level1(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+// Levels 2 and 3: 128-bit blocks of the two halves.
+inline __m512 rows_tree_level23(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+template <int kLevel>
+inline __m512 rows_tree_level(__m512 a, __m512 b) {
+  if constexpr (kLevel == 0) return rows_tree_level0(a, b);
+  else if constexpr (kLevel == 1) return rows_tree_level1(a, b);
+  else return rows_tree_level23(a, b);
+}
+
 // Lane i of the result is the sum of the 16 floats of row i (rows: 16 rows of 16 floats). A
 // transpose-and-add tree: 15 shuffle pairs for 16 sums, against about 8 instructions per
 // horizontal sum done one row at a time.
 inline Vec reduce_rows(const float* rows) {
-  __m512 pairs[8];  // lanes hold partial sums of rows (2i, 2i+1), interleaved
-  for (int i = 0; i < 8; ++i) {
-    __m512 a = _mm512_loadu_ps(rows + 2 * i * kLanes), b = _mm512_loadu_ps(rows + (2 * i + 1) * kLanes);
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  __m512 quads[4];  // each 128-bit block: the sums of rows 4i..4i+3 over that block's columns
-  for (int i = 0; i < 4; ++i) {
-    __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] =
-        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 octs[2];  // blocks: rows 8i..8i+3 (two halves), rows 8i+4..8i+7 (two halves)
-  for (int i = 0; i < 2; ++i) {
-    __m512 a = quads[2 * i], b = quads[2 * i + 1];
-    octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  }
-  return {_mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88),
-                        _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD))};
+  __m512 pairs[8];
+  for (int i = 0; i < 8; ++i) pairs[i] = rows_tree_level0(_mm512_loadu_ps(rows + 2 * i * kLanes), _mm512_loadu_ps(rows + (2 * i + 1) * kLanes));
+  __m512 quads[4];
+  for (int i = 0; i < 4; ++i) quads[i] = rows_tree_level1(pairs[2 * i], pairs[2 * i + 1]);
+  __m512 octs[2];
+  for (int i = 0; i < 2; ++i) octs[i] = rows_tree_level23(quads[2 * i], quads[2 * i + 1]);
+  return {rows_tree_level23(octs[0], octs[1])};
 }
 
 // exp(x) = 2^k * exp(r) with k = round(x / ln 2) and |r| <= ln(2) / 2; a degree-7 Taylor polynomial

@@ -106,9 +106,10 @@ def blocked_silu_and_mul(x: torch.Tensor, blocked: tuple[torch.Tensor | None, ..
 @needs_kernel
 @pytest.mark.parametrize("shape", [(3072, 576), (64, 96)])
 def test_the_gate_up_activation_in_the_epilogue_is_silu_and_mul_bit_for_bit(shape: tuple[int, int]) -> None:
-    """``int4_linear_blocked_silu_and_mul`` (the decoder stack's gate_up and activation in one call: the wide
-    kernel's epilogue pairs gate block p with up block p + blocks / 2) gives the bits of ``silu_and_mul``
-    over the product, on the blocked kernel's steps and the wide kernel's; large gates included."""
+    """``int4_linear_blocked_silu_and_mul`` (the decoder stack's gate_up and activation in one call: the
+    blocked kernel's tasks and the wide kernel's epilogue pair gate block p with up block p + blocks / 2)
+    gives the bits of ``silu_and_mul`` over the product, on the blocked kernel's steps and the wide
+    kernel's; large gates included."""
     out_features, in_features = shape
     packed, scales, mins = quantize_int4(torch.randn(shape) / in_features**0.5 * 8 + 0.01)
     blocked = Int4Weight(packed, scales, mins).blocked()
@@ -128,12 +129,13 @@ def test_the_gate_up_activation_in_the_epilogue_is_silu_and_mul_bit_for_bit(shap
 
 @needs_kernel
 @pytest.mark.parametrize("five", [False, True])
-def test_gguf_level_groups_get_the_activation_in_the_epilogue(five: bool) -> None:
+def test_gguf_level_groups_get_the_fused_activation(five: bool) -> None:
     weight = level_weight(64, 96, five, seed=5)
     blocked = weight.kernel_tensors()
     assert blocked[0].dim() == 3  # the blocked layout
-    x = torch.randn(WIDE + 3, 96, dtype=BF16)
-    assert torch.equal(blocked_silu_and_mul(x, blocked), torch.ops.tokenmill.silu_and_mul(weight.linear(x)))
+    for rows in (1, 7, WIDE + 3):  # the blocked kernel's steps and the wide kernel's
+        x = torch.randn(rows, 96, dtype=BF16)
+        assert torch.equal(blocked_silu_and_mul(x, blocked), torch.ops.tokenmill.silu_and_mul(weight.linear(x)))
 
 
 @needs_kernel

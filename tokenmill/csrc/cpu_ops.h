@@ -53,7 +53,8 @@ at::Tensor int4_linear_wide(const at::Tensor& x, const at::Tensor& packed, const
 at::Tensor int4_linear_wide_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                          const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // silu_and_mul(int4_linear_blocked(x, ...)) bit for bit, for gate_up weights in the blocked layout: bfloat16
-// steps of more than kInt4BlockedMaxRows rows run int4_linear_wide_silu_and_mul.
+// steps apply the activation per pair of gate and up blocks (of more than kInt4BlockedMaxRows rows, in
+// int4_linear_wide_silu_and_mul's epilogue); float32 steps run the two calls.
 at::Tensor int4_linear_blocked_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                             const at::Tensor& mins, const std::optional<at::Tensor>& high);
 // int4_blocked_f32_cpu.cpp: float32 rows times the blocked layout, the format checked by the caller.

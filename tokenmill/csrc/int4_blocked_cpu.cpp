@@ -59,7 +59,8 @@ void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t 
   }
 }
 
-// out[r, 16 b .. 16 b + 16) for ROWS rows (x, sums and out start at the first of them) and block b. Per row and
+// out[r, 0 .. 16) = the outputs 16 b .. 16 b + 16 for ROWS rows (x, sums and out start at the first of them) and
+// block b. Per row and
 // group two chains of 8 dot products in registers, one over each step's features 4t, 4t + 1 and one over 4t + 2,
 // 4t + 3, added at the group's end (one chain of 16 waited on the dot product's latency: 9 rows 20%, 5 rows 9%
 // slower on a Zen 5); the accumulators across groups stay in the first level of cache, so that 12 rows fit a
@@ -111,7 +112,7 @@ void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, i
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + block * kBlockOutputs),
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[r])));
   }
 }
@@ -130,22 +131,42 @@ void blocked_dispatch(int64_t rows, const c10::BFloat16* x, int64_t x_stride, co
   blocked_rows<ROWS, Scale, FIVE>(x, x_stride, sums, groups, packed, scales, mins, high, out, out_stride, block);
 }
 
-// Blocks [begin, end) for all `rows` rows: per block, the rows in passes of at most kChunkRows, of equal size
+// Block `block` for all `rows` rows into out[r, 0 .. 16): the rows in passes of at most kChunkRows, of equal size
 // within a row (16 rows: 8 and 8, not 12 and 4, whose 4-row pass keeps too few chains in flight); the block's
 // weights, a few KB, are decoded again per pass from the first level of cache.
 template <typename Scale, bool FIVE>
-void blocked_blocks(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
-                    const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
-                    c10::BFloat16* out, int64_t out_stride, int64_t begin, int64_t end) {
-  for (int64_t block = begin; block < end; ++block) {
-    const int64_t passes = (rows + kChunkRows - 1) / kChunkRows;
-    for (int64_t pass = 0, first = 0; pass < passes; ++pass) {
-      const int64_t pass_rows = (rows - first) / (passes - pass);
-      blocked_dispatch<kChunkRows, Scale, FIVE>(pass_rows, x + first * x_stride, x_stride, sums + first * groups,
-                                                groups, packed, scales, mins, high, out + first * out_stride,
-                                                out_stride, block);
-      first += pass_rows;
-    }
+void blocked_block(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
+                   const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
+                   c10::BFloat16* out, int64_t out_stride, int64_t block) {
+  const int64_t passes = (rows + kChunkRows - 1) / kChunkRows;
+  for (int64_t pass = 0, first = 0; pass < passes; ++pass) {
+    const int64_t pass_rows = (rows - first) / (passes - pass);
+    blocked_dispatch<kChunkRows, Scale, FIVE>(pass_rows, x + first * x_stride, x_stride, sums + first * groups,
+                                              groups, packed, scales, mins, high, out + first * out_stride,
+                                              out_stride, block);
+    first += pass_rows;
+  }
+}
+
+// LlamaMLP's gate_up and activation for blocks of 16 activated outputs [begin, end) (`half` of them, the
+// weight's 2 * half blocks its gate then its up halves): per p, gate block p and up block p + half into a
+// scratch of bfloat16 outputs (the store's rounding), then vec::silu_and_mul_bf16 into out[r, 16 p .. 16 p +
+// 16): silu_and_mul(int4_linear_blocked(...)) bit for bit, without the [rows, 2 * half * 16] product or its
+// pass over the rows on one thread.
+template <typename Scale, bool FIVE>
+void blocked_silu_blocks(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
+                         const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
+                         c10::BFloat16* out, int64_t out_stride, int64_t half, int64_t begin, int64_t end) {
+  alignas(64) c10::BFloat16 gate[ops::kInt4BlockedMaxRows][kBlockOutputs], up[ops::kInt4BlockedMaxRows][kBlockOutputs];
+  for (int64_t p = begin; p < end; ++p) {
+    blocked_block<Scale, FIVE>(rows, x, x_stride, sums, groups, packed, scales, mins, high, &gate[0][0],
+                               kBlockOutputs, p);
+    blocked_block<Scale, FIVE>(rows, x, x_stride, sums, groups, packed, scales, mins, high, &up[0][0],
+                               kBlockOutputs, p + half);
+    for (int64_t r = 0; r < rows; ++r)
+      vec::store(out + r * out_stride + p * kBlockOutputs,
+                 vec::silu_and_mul_bf16(vec::load(gate[r], kBlockOutputs), vec::load(up[r], kBlockOutputs)),
+                 kBlockOutputs);
   }
 }
 
@@ -185,25 +206,14 @@ bool int4_blocked_available() {
 
 int64_t int4_blocked_max_rows() { return kInt4BlockedMaxRows; }
 
-// x [rows, in] bfloat16 (1 or more rows, contiguous features) times the weight in the blocked layout; [rows,
-// blocks * 16] bfloat16. Steps of more than kInt4BlockedMaxRows bfloat16 rows take the wide kernel.
-at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                               const at::Tensor& mins, const std::optional<at::Tensor>& high) {
-  check_blocked_format(packed, scales, mins, high);
-  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kInt4BlockedMaxRows)
-    return int4_linear_wide(x, packed, scales, mins, high);
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
-                  x.dim() == 2 && x.stride(1) == 1,
-              "the int4 blocked kernel takes a bfloat16 or float32 CPU tensor x [rows, in] with contiguous features");
+namespace {
+
+// The bfloat16 run of both ops (checked by the caller): silu false, [rows, blocks * 16]; true, [rows, blocks * 8]
+// (an even number of blocks).
+at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                       const std::optional<at::Tensor>& high, bool silu) {
   const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(rows >= 1, "the int4 blocked kernel takes at least one row, got ", rows);
-  TORCH_CHECK(x.size(1) == groups * kGroup, "x has ", x.size(1), " features, the weight ", groups * kGroup);
-  if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(!high.has_value(), "the int4 blocked kernel takes 5-bit levels with bfloat16 rows only");
-    return int4_linear_blocked_f32(x, packed, scales, mins);
-  }
-  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16 for bfloat16 rows");
-  const int64_t out_features = blocks * kBlockOutputs;
+  const int64_t out_features = (silu ? blocks / 2 : blocks) * kBlockOutputs;
   at::Tensor out = at::empty({rows, out_features}, x.options());
 #ifdef TOKENMILL_GROUP_AVX512
   at::Tensor sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
@@ -214,24 +224,65 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
   const auto* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
-  const auto run = [&](const auto* dp, const auto* mp) {
+  const auto run = [&](const auto* dp, const auto* mp, auto five) {
     using Scale = std::remove_const_t<std::remove_pointer_t<decltype(dp)>>;
+    constexpr bool kFive = decltype(five)::value;
+    if (silu) {
+      at::parallel_for(0, blocks / 2, 1, [&](int64_t begin, int64_t end) {
+        blocked_silu_blocks<Scale, kFive>(rows, xp, x_stride, sp, groups, wp, dp, mp, hp, op, out_features,
+                                          blocks / 2, begin, end);
+      });
+      return;
+    }
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      if (hp != nullptr)
-        blocked_blocks<Scale, true>(rows, xp, x_stride, sp, groups, wp, dp, mp, hp, op, out_features, begin, end);
-      else
-        blocked_blocks<Scale, false>(rows, xp, x_stride, sp, groups, wp, dp, mp, nullptr, op, out_features, begin,
-                                     end);
+      for (int64_t block = begin; block < end; ++block)
+        blocked_block<Scale, kFive>(rows, xp, x_stride, sp, groups, wp, dp, mp, hp, op + block * kBlockOutputs,
+                                    out_features, block);
     });
   };
-  if (scales.scalar_type() == at::kFloat)
-    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  const auto run_scales = [&](auto five) {
+    if (scales.scalar_type() == at::kFloat)
+      run(scales.data_ptr<float>(), mins.data_ptr<float>(), five);
+    else
+      run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), five);
+  };
+  if (hp != nullptr)
+    run_scales(std::true_type{});
   else
-    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+    run_scales(std::false_type{});
 #endif
   return out;
 }
 
+void check_blocked_rows(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.dim() == 2 && x.stride(1) == 1,
+              "the int4 blocked kernel takes a bfloat16 or float32 CPU tensor x [rows, in] with contiguous features");
+  TORCH_CHECK(x.size(0) >= 1, "the int4 blocked kernel takes at least one row, got ", x.size(0));
+  TORCH_CHECK(x.size(1) == packed.size(1) * kGroup, "x has ", x.size(1), " features, the weight ",
+              packed.size(1) * kGroup);
+}
+
+}  // namespace
+
+// x [rows, in] bfloat16 (1 or more rows, contiguous features) times the weight in the blocked layout; [rows,
+// blocks * 16] bfloat16. Steps of more than kInt4BlockedMaxRows bfloat16 rows take the wide kernel.
+at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const at::Tensor& mins, const std::optional<at::Tensor>& high) {
+  check_blocked_format(packed, scales, mins, high);
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kInt4BlockedMaxRows)
+    return int4_linear_wide(x, packed, scales, mins, high);
+  check_blocked_rows(x, packed);
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(!high.has_value(), "the int4 blocked kernel takes 5-bit levels with bfloat16 rows only");
+    return int4_linear_blocked_f32(x, packed, scales, mins);
+  }
+  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16 for bfloat16 rows");
+  return run_blocked(x, packed, scales, mins, high, false);
+}
+
+// silu_and_mul(int4_linear_blocked(x, ...)) bit for bit; for bfloat16 steps the activation is applied per pair
+// of gate and up blocks (blocked_silu_blocks, or the wide kernel's epilogue past kInt4BlockedMaxRows rows).
 at::Tensor int4_linear_blocked_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                             const at::Tensor& mins, const std::optional<at::Tensor>& high) {
   check_blocked_format(packed, scales, mins, high);
@@ -239,7 +290,10 @@ at::Tensor int4_linear_blocked_silu_and_mul(const at::Tensor& x, const at::Tenso
               " outputs, got ", packed.size(0), " blocks");
   if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kInt4BlockedMaxRows)
     return int4_linear_wide_silu_and_mul(x, packed, scales, mins, high);
-  return silu_and_mul(int4_linear_blocked(x, packed, scales, mins, high));
+  if (x.scalar_type() != at::kBFloat16 || !int4_blocked_available())
+    return silu_and_mul(int4_linear_blocked(x, packed, scales, mins, high));
+  check_blocked_rows(x, packed);
+  return run_blocked(x, packed, scales, mins, high, true);
 }
 
 }  // namespace tokenmill::ops

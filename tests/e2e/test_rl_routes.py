@@ -25,6 +25,9 @@ from transformers import LlamaForCausalLM
 from tests.conftest import spread_weights
 
 PROMPT = [5, 9, 14, 20, 27, 35, 44, 54, 65]
+# Tokens of a request that must still be running when a pause lands: the tiny model makes ~1,500 a second,
+# and two of them fit the server's 8192 cache slots.
+LONG = 3000
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,7 @@ def test_pause_with_requests_in_flight(server: ServerProcess, mode: str) -> None
     and retract every request completes after continue_generation. Blocks all come back."""
     results: list[dict[str, object]] = []
     threads = [
-        threading.Thread(target=_stream_tokens, args=(server, [6 + i, 7, 8, 9, 10], 1500, results))
+        threading.Thread(target=_stream_tokens, args=(server, [6 + i, 7, 8, 9, 10], LONG, results))
         for i in range(2)
     ]
     for thread in threads:
@@ -191,7 +194,7 @@ def test_pause_with_requests_in_flight(server: ServerProcess, mode: str) -> None
         for thread in threads:
             thread.join(30)
         assert [r["choices"][0]["finish_reason"] for r in results] == ["abort", "abort"]  # type: ignore[index]
-        assert all(0 < r["usage"]["completion_tokens"] < 1500 for r in results)  # type: ignore[index]
+        assert all(0 < r["usage"]["completion_tokens"] < LONG for r in results)  # type: ignore[index]
     else:
         kv = server.kv()
         assert kv["num_running"] == (2 if mode == "in_place" else 0)
@@ -201,7 +204,7 @@ def test_pause_with_requests_in_flight(server: ServerProcess, mode: str) -> None
         thread.join(60)
     assert len(results) == 2
     if mode != "abort":
-        assert all(r["usage"]["completion_tokens"] == 1500 for r in results)  # type: ignore[index]
+        assert all(r["usage"]["completion_tokens"] == LONG for r in results)  # type: ignore[index]
     kv = server.kv()
     assert kv["all_free_or_cached"] is True and kv["paused"] is False
 
@@ -241,7 +244,7 @@ def test_generate_reports_each_tokens_weight_version(
     results: list[dict[str, object]] = []
     payload = {
         "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
         "return_logprob": True,
     }
     thread = threading.Thread(target=_generate, args=(server, payload, results))
@@ -260,9 +263,9 @@ def test_generate_reports_each_tokens_weight_version(
     thread.join(60)
     meta = results[0]["meta_info"]  # type: ignore[index]
     versions = meta["output_token_weight_versions"]  # type: ignore[index]
-    assert len(versions) == 1500 == len(meta["output_token_logprobs"])  # type: ignore[index]
+    assert len(versions) == LONG == len(meta["output_token_logprobs"])  # type: ignore[index]
     switch = versions.index("rl-b")
-    assert switch > 0 and versions == [before] * switch + ["rl-b"] * (1500 - switch)
+    assert switch > 0 and versions == [before] * switch + ["rl-b"] * (LONG - switch)
     assert results[0]["output_ids"][:switch] == expected(references["a"], PROMPT, switch)  # type: ignore[index]
     with server.http() as http:
         assert http.get("/model_info").status_code == 200

@@ -125,8 +125,11 @@ def test_the_settings_say_whether_the_server_is_deterministic(
 
 
 def test_the_answer_streams_token_by_token(chat: Any, tiny_server: ServerProcess) -> None:
+    # 400 tokens (~0.3 s on the tiny model): enough steps that the answer arrives in several pieces even
+    # when a loaded browser makes the server merge the deltas of a few steps into one chunk.
     set_setting(chat, "#set-temperature", "0")
-    set_setting(chat, "#set-max-tokens", "48")
+    set_setting(chat, "#set-max-tokens", "400")
+    set_setting(chat, "#set-extra", '{"ignore_eos": true}')
     # Record the answer's text length at every change of the page.
     chat.evaluate(
         """() => {
@@ -140,10 +143,15 @@ def test_the_answer_streams_token_by_token(chat: Any, tiny_server: ServerProcess
     answer = send(chat, "<5> <6> <7>")
     lengths = chat.evaluate("window.__lengths")
     text = answer.locator(".body").inner_text().strip()
+    set_setting(chat, "#set-extra", "")
     expected, num_tokens = api_answer(
-        tiny_server, [{"role": "user", "content": "<5> <6> <7>"}], temperature=0, max_tokens=48
+        tiny_server,
+        [{"role": "user", "content": "<5> <6> <7>"}],
+        temperature=0,
+        max_tokens=400,
+        ignore_eos=True,
     )
-    assert text == expected
+    assert text == expected and num_tokens == 400
     partial = sorted({n for n in lengths if 0 < n < len(text)})
     assert len(partial) >= 4, f"the answer did not appear piece by piece: {lengths}"
     meta = answer.locator(".meta").inner_text()

@@ -37,6 +37,10 @@ def test_full_waiting_queue_is_429(tiny_model_dir: str) -> None:
         async with server.async_http() as http:
             async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
                 assert running.status_code == 200
+                # Frozen in place while the queue fills: the long request holds the one seat throughout (it
+                # would otherwise end in ~3 s, which a loaded machine's client calls can outlast).
+                await wait_for_engine(http, "num_running", 1)
+                assert (await http.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
                 # One sequence runs at a time, so this one waits; the queue is then full.
                 waiting = asyncio.ensure_future(http.post("/v1/completions", json=SHORT))
                 await wait_for_engine(http, "num_waiting", 1)
@@ -45,6 +49,7 @@ def test_full_waiting_queue_is_429(tiny_model_dir: str) -> None:
                 assert refused.json()["error"]["code"] == "rate_limit_exceeded"
                 with pytest.raises(openai.RateLimitError):
                     await server.async_client().completions.create(model=tiny_model_dir, **SHORT)  # type: ignore[arg-type]
+                assert (await http.post("/continue_generation")).status_code == 200
             # Closing the running stream aborts it; the waiting request then runs to the end.
             answered = await waiting
             assert answered.status_code == 200

@@ -103,23 +103,30 @@ def test_a_full_tier_queue_is_429_with_retry_after_and_other_tiers_still_queue(
         async with tier_server.async_http() as http:
             async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
                 assert running.status_code == 200
-                waiting = asyncio.ensure_future(http.post("/v1/completions", json=flex))
-                await wait_for_engine(http, "num_waiting_flex", 1)
-                refused = await http.post("/v1/completions", json=flex)
-                assert refused.status_code == 429
-                assert int(refused.headers["Retry-After"]) >= 1
-                error = refused.json()["error"]
-                assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
-                assert "'flex' service tier is overloaded" in error["message"]
-                with pytest.raises(openai.RateLimitError):
-                    await tier_server.async_client().completions.create(
-                        model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"service_tier": "flex"}
+                # Frozen in place while the queues fill: the long request holds the seat throughout (it
+                # would otherwise end in ~3 s, which a loaded machine's client calls can outlast).
+                await wait_for_engine(http, "num_running", 1)
+                assert (await http.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
+                try:
+                    waiting = asyncio.ensure_future(http.post("/v1/completions", json=flex))
+                    await wait_for_engine(http, "num_waiting_flex", 1)
+                    refused = await http.post("/v1/completions", json=flex)
+                    assert refused.status_code == 429
+                    assert int(refused.headers["Retry-After"]) >= 1
+                    error = refused.json()["error"]
+                    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+                    assert "'flex' service tier is overloaded" in error["message"]
+                    with pytest.raises(openai.RateLimitError):
+                        await tier_server.async_client().completions.create(
+                            model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"service_tier": "flex"}
+                        )
+                    # The default tier's queue is not full: it still takes work.
+                    default = asyncio.ensure_future(
+                        http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
                     )
-                # The default tier's queue is not full: it still takes work.
-                default = asyncio.ensure_future(
-                    http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-                )
-                await wait_for_engine(http, "num_waiting", 2)
+                    await wait_for_engine(http, "num_waiting", 2)
+                finally:
+                    assert (await http.post("/continue_generation")).status_code == 200
             for answered in (await waiting, await default):
                 assert answered.status_code == 200
         metrics = httpx.get(f"{tier_server.base_url}/metrics", headers=tier_server.headers).text

@@ -320,9 +320,16 @@ def test_dashboard_charts_move_under_load(chat: Any, tiny_server: ServerProcess)
             streams.enter_context(http.stream("POST", "/v1/completions", json={**body, "service_tier": tier}))
             for tier in ("default", "flex", "default")
         ]
-        chat.wait_for_function(
-            "() => JSON.parse(document.getElementById('chart-requests').dataset.last).running > 0"
-        )
+        # Frozen in place until the page has polled them running (three streams of the tiny model end
+        # in ~3 s, which a loaded browser's once-a-second polls can miss).
+        wait_until(lambda: tiny_server.metric("tokenmill:num_requests_running") == 3)
+        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        try:
+            chat.wait_for_function(
+                "() => JSON.parse(document.getElementById('chart-requests').dataset.last).running > 0"
+            )
+        finally:
+            assert http.post("/continue_generation").status_code == 200
         chat.wait_for_function(
             "() => JSON.parse(document.getElementById('chart-tokens').dataset.last)['tok/s'] > 0"
         )

@@ -135,7 +135,9 @@ def test_gguf_level_groups_get_the_fused_activation(five: bool) -> None:
     assert blocked[0].dim() == 3  # the blocked layout
     for rows in (1, 7, WIDE + 3):  # the blocked kernel's steps and the wide kernel's
         x = torch.randn(rows, 96, dtype=BF16)
-        assert torch.equal(blocked_silu_and_mul(x, blocked), torch.ops.tokenmill.silu_and_mul(weight.linear(x)))
+        assert torch.equal(
+            blocked_silu_and_mul(x, blocked), torch.ops.tokenmill.silu_and_mul(weight.linear(x))
+        )
 
 
 @needs_kernel

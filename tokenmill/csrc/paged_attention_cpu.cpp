@@ -253,10 +253,11 @@ void score_chunk(const Problem<scalar_t>& p, Scratch& s, const Chunk& c, int64_t
 // path above, so they are never rounded.
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1u); }
 
-// Head dim 64 (one pass of two 32-pair steps), a whole group of 16 positions: each position's
-// partial dot products join the transpose-and-add tree of reduce_rows in registers as they are made
-// (`held[L]`: the level-L unit waiting for its sibling), instead of going through the scratch and
-// back; the same additions in the same order as finish_scores, so the same bits.
+// Head dim 64 or 128 (one or two passes of two 32-pair steps), a whole group of 16 positions: each
+// position's partial dot products (the passes' chains added in pass order, as keep_dots adds them) join
+// the transpose-and-add tree of reduce_rows in registers as they are made (`held[L]`: the level-L unit
+// waiting for its sibling), instead of going through the scratch and back; the same additions in the
+// same order as finish_scores, so the same bits.
 template <int L, int I, int NG>
 inline void join_tree(__m512 (&held)[4][NG], __m512 (&v)[NG], __m512 (&out)[NG]) {
   if constexpr (L == 4) {
@@ -269,24 +270,30 @@ inline void join_tree(__m512 (&held)[4][NG], __m512 (&v)[NG], __m512 (&out)[NG])
   }
 }
 
-template <int I, int NG>
-inline void score_position64(const __m512i (&q)[NG][2], const Chunk& c, int64_t tg, int64_t k_off, bool prefetch,
-                             __m512 (&held)[4][NG], __m512 (&out)[NG]) {
+// P: the head's 32-pair steps (2 or 4).
+template <int I, int NG, int P>
+inline void score_position(const __m512i (&q)[NG][P], const Chunk& c, int64_t tg, int64_t k_off, bool prefetch,
+                           __m512 (&held)[4][NG], __m512 (&out)[NG]) {
   if (prefetch) prefetch_next_keys(c, tg + I);
   const c10::BFloat16* k = static_cast<const c10::BFloat16*>(c.k_rows[tg + I]) + k_off;
-  const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 32);
+  __m512i keys[P];
+  for (int j = 0; j < P; ++j) keys[j] = _mm512_loadu_si512(k + 32 * j);
   __m512 v[NG];
-  for (int g = 0; g < NG; ++g)
-    v[g] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[g][0], (__m512bh)k0),
-                            (__m512bh)q[g][1], (__m512bh)k1);
+  for (int g = 0; g < NG; ++g) {
+    for (int j = 0; j < P; j += 2) {
+      const __m512 pass = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[g][j], (__m512bh)keys[j]),
+                                           (__m512bh)q[g][j + 1], (__m512bh)keys[j + 1]);
+      v[g] = j == 0 ? pass : _mm512_add_ps(v[g], pass);
+    }
+  }
   join_tree<0, I, NG>(held, v, out);
 }
 
-template <int NG, size_t... I>
-inline void score_group64(const __m512i (&q)[NG][2], const Chunk& c, int64_t tg, int64_t k_off, bool prefetch,
-                          __m512 (&out)[NG], std::index_sequence<I...>) {
+template <int NG, int P, size_t... I>
+inline void score_group(const __m512i (&q)[NG][P], const Chunk& c, int64_t tg, int64_t k_off, bool prefetch,
+                        __m512 (&out)[NG], std::index_sequence<I...>) {
   __m512 held[4][NG];
-  (score_position64<static_cast<int>(I), NG>(q, c, tg, k_off, prefetch, held, out), ...);
+  (score_position<static_cast<int>(I), NG, P>(q, c, tg, k_off, prefetch, held, out), ...);
 }
 
 template <int NG, int kChunks>
@@ -299,13 +306,14 @@ void score_chunk(const Problem<c10::BFloat16>& p, Scratch& s, const Chunk& c, in
   const c10::BFloat16* q_heads = s.q_bf16 + h0 * p.q_stride_head;
   for (int64_t tg = 0; tg < n; tg += kLanes) {
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - tg));
-    if constexpr (kChunks == 4) {
+    if constexpr (kChunks == 4 || kChunks == 8) {
       if (m == kLanes) {
-        __m512i q[NG][2];
+        constexpr int P = kChunks / 2;
+        __m512i q[NG][P];
         for (int g = 0; g < NG; ++g)
-          for (int j = 0; j < 2; ++j) q[g][j] = _mm512_loadu_si512(q_heads + g * p.q_stride_head + j * 32);
+          for (int j = 0; j < P; ++j) q[g][j] = _mm512_loadu_si512(q_heads + g * p.q_stride_head + j * 32);
         __m512 sums[NG];
-        score_group64<NG>(q, c, tg, k_off, prefetch, sums, std::make_index_sequence<kLanes>{});
+        score_group<NG, P>(q, c, tg, k_off, prefetch, sums, std::make_index_sequence<kLanes>{});
         for (int g = 0; g < NG; ++g) store(&s.scores[g][tg], mul(Vec{sums[g]}, splat(p.scale)), kLanes);
         continue;
       }

@@ -60,12 +60,11 @@ void group_sums(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t 
 }
 
 // out[r, 0 .. 16) = the outputs 16 b .. 16 b + 16 for ROWS rows (x, sums and out start at the first of them) and
-// block b. Per row and
-// group two chains of 8 dot products in registers, one over each step's features 4t, 4t + 1 and one over 4t + 2,
-// 4t + 3, added at the group's end (one chain of 16 waited on the dot product's latency: 9 rows 20%, 5 rows 9%
-// slower on a Zen 5); the accumulators across groups stay in the first level of cache, so that 12 rows fit a
-// pass. (Two or four blocks a pass, for more independent chains, measured slower at every row count: 37-43 vs
-// 35 us on SmolLM2's gate_up at one and two rows; one stream each thread prefetches well.)
+// block b. Per row and group two chains of 8 dot products in registers, one over each step's features 4t, 4t + 1
+// and one over 4t + 2, 4t + 3, added at the group's end (one chain of 16 waited on the dot product's latency: 9
+// rows 20%, 5 rows 9% slower on a Zen 5); the accumulators across groups stay in the first level of cache, so
+// that 12 rows fit a pass. (Two or four blocks a pass, for more independent chains, measured slower at every row
+// count: 37-43 vs 35 us on SmolLM2's gate_up at one and two rows; one stream each thread prefetches well.)
 template <int ROWS, typename Scale, bool FIVE>
 void blocked_rows(const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups, const uint8_t* packed,
                   const Scale* scales, const Scale* mins, const uint32_t* high, c10::BFloat16* out,
@@ -157,7 +156,8 @@ template <typename Scale, bool FIVE>
 void blocked_silu_blocks(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* sums, int64_t groups,
                          const uint8_t* packed, const Scale* scales, const Scale* mins, const uint32_t* high,
                          c10::BFloat16* out, int64_t out_stride, int64_t half, int64_t begin, int64_t end) {
-  alignas(64) c10::BFloat16 gate[ops::kInt4BlockedMaxRows][kBlockOutputs], up[ops::kInt4BlockedMaxRows][kBlockOutputs];
+  alignas(64) c10::BFloat16 gate[ops::kInt4BlockedMaxRows][kBlockOutputs];
+  alignas(64) c10::BFloat16 up[ops::kInt4BlockedMaxRows][kBlockOutputs];
   for (int64_t p = begin; p < end; ++p) {
     blocked_block<Scale, FIVE>(rows, x, x_stride, sums, groups, packed, scales, mins, high, &gate[0][0],
                                kBlockOutputs, p);
@@ -208,10 +208,11 @@ int64_t int4_blocked_max_rows() { return kInt4BlockedMaxRows; }
 
 namespace {
 
-// The bfloat16 run of both ops (checked by the caller): silu false, [rows, blocks * 16]; true, [rows, blocks * 8]
-// (an even number of blocks).
+// The bfloat16 run of both ops (their rows and format checked by the caller): silu false, [rows, blocks * 16]; true,
+// [rows, blocks * 8] (an even number of blocks).
 at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
                        const std::optional<at::Tensor>& high, bool silu) {
+  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16 for bfloat16 rows");
   const int64_t rows = x.size(0), blocks = packed.size(0), groups = packed.size(1);
   const int64_t out_features = (silu ? blocks / 2 : blocks) * kBlockOutputs;
   at::Tensor out = at::empty({rows, out_features}, x.options());
@@ -277,7 +278,6 @@ at::Tensor int4_linear_blocked(const at::Tensor& x, const at::Tensor& packed, co
     TORCH_CHECK(!high.has_value(), "the int4 blocked kernel takes 5-bit levels with bfloat16 rows only");
     return int4_linear_blocked_f32(x, packed, scales, mins);
   }
-  TORCH_CHECK(int4_blocked_available(), "the int4 blocked kernel needs AVX512-BF16 for bfloat16 rows");
   return run_blocked(x, packed, scales, mins, high, false);
 }
 
@@ -290,8 +290,7 @@ at::Tensor int4_linear_blocked_silu_and_mul(const at::Tensor& x, const at::Tenso
               " outputs, got ", packed.size(0), " blocks");
   if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kInt4BlockedMaxRows)
     return int4_linear_wide_silu_and_mul(x, packed, scales, mins, high);
-  if (x.scalar_type() != at::kBFloat16 || !int4_blocked_available())
-    return silu_and_mul(int4_linear_blocked(x, packed, scales, mins, high));
+  if (x.scalar_type() != at::kBFloat16) return silu_and_mul(int4_linear_blocked(x, packed, scales, mins, high));
   check_blocked_rows(x, packed);
   return run_blocked(x, packed, scales, mins, high, true);
 }

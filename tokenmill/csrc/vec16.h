@@ -156,7 +156,8 @@ inline __m512 rows_tree_level(__m512 a, __m512 b) {
 // horizontal sum done one row at a time.
 inline Vec reduce_rows(const float* rows) {
   __m512 pairs[8];
-  for (int i = 0; i < 8; ++i) pairs[i] = rows_tree_level0(_mm512_loadu_ps(rows + 2 * i * kLanes), _mm512_loadu_ps(rows + (2 * i + 1) * kLanes));
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = rows_tree_level0(_mm512_loadu_ps(rows + 2 * i * kLanes), _mm512_loadu_ps(rows + (2 * i + 1) * kLanes));
   __m512 quads[4];
   for (int i = 0; i < 4; ++i) quads[i] = rows_tree_level1(pairs[2 * i], pairs[2 * i + 1]);
   __m512 octs[2];

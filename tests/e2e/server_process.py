@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -117,6 +117,19 @@ class ServerProcess:
             if line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
+
+    @contextlib.contextmanager
+    def paused_in_place(self) -> Iterator[None]:
+        """The engine frozen for the block (``/pause_generation`` in place: running requests keep their KV
+        and no step is taken; new ones are admitted and wait; aborts still land), then let go on, also when
+        the block fails. For tests that need a request still in flight at a later moment: the tiny model
+        makes ~1,500 tokens a second, faster than a loaded machine's few calls."""
+        with self.http() as http:
+            assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+            try:
+                yield
+            finally:
+                assert http.post("/continue_generation").status_code == 200
 
     def engine_pid(self) -> int:
         with self.http() as http:

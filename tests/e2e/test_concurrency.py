@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -66,28 +67,24 @@ def test_disconnected_stream_frees_its_blocks(tiny_server: ServerProcess) -> Non
         "ignore_eos": True,
         "stream": True,
     }
-    with tiny_server.http() as control:
-        try:
-            with tiny_server.http() as http, http.stream("POST", "/v1/completions", json=payload) as response:
-                lines = response.iter_lines()
-                received = [line for line, _ in zip(lines, range(6)) if line]
-                assert received and received[0].startswith("data: ")
-                # Frozen in place while it is inspected and disconnected: the tiny model's 3000 tokens
-                # take ~2 s, which a loaded machine can spend between these calls.
-                assert control.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-                kv = tiny_server.kv()
-                assert kv["num_running"] == 1 and kv["blocks_in_use"] > 0
-                assert tiny_server.metric("tokenmill:num_requests_running") == 1
-                assert tiny_server.metric("tokenmill:kv_cache_usage_perc") > 0
-            # The connection is closed: the server must abort the request and give its blocks back
-            # (the abort reaches a paused engine).
-            wait_until(lambda: tiny_server.kv()["num_running"] == 0)
+    with contextlib.ExitStack() as frozen:
+        with tiny_server.http() as http, http.stream("POST", "/v1/completions", json=payload) as response:
+            lines = response.iter_lines()
+            received = [line for line, _ in zip(lines, range(6)) if line]
+            assert received and received[0].startswith("data: ")
+            # Frozen in place while it is inspected and disconnected.
+            frozen.enter_context(tiny_server.paused_in_place())
             kv = tiny_server.kv()
-            assert kv["blocks_in_use"] == 0 and kv["all_free_or_cached"]
-            wait_until(lambda: tiny_server.metric("tokenmill:num_requests_running") == 0)
-            assert tiny_server.metric("tokenmill:kv_cache_usage_perc") == 0
-        finally:
-            assert control.post("/continue_generation").status_code == 200
+            assert kv["num_running"] == 1 and kv["blocks_in_use"] > 0
+            assert tiny_server.metric("tokenmill:num_requests_running") == 1
+            assert tiny_server.metric("tokenmill:kv_cache_usage_perc") > 0
+        # The connection is closed: the server must abort the request and give its blocks back (the
+        # abort reaches a paused engine).
+        wait_until(lambda: tiny_server.kv()["num_running"] == 0)
+        kv = tiny_server.kv()
+        assert kv["blocks_in_use"] == 0 and kv["all_free_or_cached"]
+        wait_until(lambda: tiny_server.metric("tokenmill:num_requests_running") == 0)
+        assert tiny_server.metric("tokenmill:kv_cache_usage_perc") == 0
 
 
 def test_disconnected_non_streaming_request_is_aborted(tiny_server: ServerProcess) -> None:

@@ -122,18 +122,13 @@ def test_unload_while_running_then_reload(server: ServerProcess, adapters: dict[
     )
     runner.start()
     wait_until(lambda: server.kv()["num_running"] == 1, timeout=30)
-    with server.http() as http:
-        # Frozen in place while ``b`` is unloaded: the request is running whenever the unload lands (the
-        # tiny model otherwise finishes it in about a second, a loaded machine's few polls' time).
-        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-        try:
-            unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
-            assert unloaded.status_code == 200, unloaded.text
-            assert unloaded.json()["finishing_running"] == 1
-            refused = http.post("/v1/completions", json={"model": "b", "prompt": "<5>", "max_tokens": 2})
-            assert refused.status_code == 404
-        finally:
-            assert http.post("/continue_generation").status_code == 200
+    # Frozen in place while ``b`` is unloaded: the request is running whenever the unload lands.
+    with server.paused_in_place(), server.http() as http:
+        unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert unloaded.json()["finishing_running"] == 1
+        refused = http.post("/v1/completions", json={"model": "b", "prompt": "<5>", "max_tokens": 2})
+        assert refused.status_code == 404
     runner.join(timeout=120)
     assert results["long"] == expected(adapters["b"], max_tokens=LONG)
     with server.http() as http:

@@ -275,14 +275,9 @@ def test_abort_request_ends_a_stream_with_partial_output_and_frees_kv(tiny_serve
         for line in lines:
             chunks.append(line)
             if len(chunks) == 3:
-                # Frozen in place first, so the abort meets a running request (the tiny model's 3000
-                # tokens take ~2 s, which a loaded machine can spend between two calls).
-                assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-                try:
+                with tiny_server.paused_in_place():  # so the abort meets a running request
                     aborted = http.post("/abort_request", json={"rid": "native-abort-stream"})
                     assert aborted.status_code == 200 and aborted.json()["num_aborted"] == 1
-                finally:
-                    assert http.post("/continue_generation").status_code == 200
         assert chunks[-1] == "data: [DONE]"
     last = json.loads(chunks[-2].removeprefix("data: "))
     assert last["meta_info"]["finish_reason"]["type"] == "abort"

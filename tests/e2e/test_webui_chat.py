@@ -165,23 +165,20 @@ def test_stop_ends_the_stream_and_frees_the_engine(chat: Any, tiny_server: Serve
     set_setting(chat, "#set-max-tokens", "3000")
     set_setting(chat, "#set-extra", '{"ignore_eos": true}')
     count = chat.locator(".message.assistant").count()
-    with tiny_server.http() as http:
-        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-        try:
-            chat.fill("#prompt", "<9> <10>")
-            chat.press("#prompt", "Enter")
-            chat.wait_for_function(f"() => document.querySelectorAll('.message.assistant').length > {count}")
-            wait_until(lambda: tiny_server.metric("tokenmill:num_requests_waiting") == 1)
-            chat.click("#stop")
-            chat.wait_for_selector(f"{LAST_ANSWER}.done")
-            answer = chat.locator(LAST_ANSWER)
-            assert "stopped" in answer.locator(".meta").inner_text()
-            assert chat.is_hidden("#stop") and chat.is_enabled("#send")
-            # The abort reached the engine while it was paused: the request is gone from it.
-            wait_until(lambda: tiny_server.metric("tokenmill:num_requests_waiting") == 0)
-            assert tiny_server.metric("tokenmill:num_requests_running") == 0
-        finally:
-            assert http.post("/continue_generation").status_code == 200
+    with tiny_server.paused_in_place():
+        chat.fill("#prompt", "<9> <10>")
+        chat.press("#prompt", "Enter")
+        chat.wait_for_function(f"() => document.querySelectorAll('.message.assistant').length > {count}")
+        wait_until(lambda: tiny_server.metric("tokenmill:num_requests_waiting") == 1)
+        chat.click("#stop")
+        chat.wait_for_selector(f"{LAST_ANSWER}.done")
+        answer = chat.locator(LAST_ANSWER)
+        assert "stopped" in answer.locator(".meta").inner_text()
+        assert len(answer.locator(".body").inner_text().split()) < 3000
+        assert chat.is_hidden("#stop") and chat.is_enabled("#send")
+        # The abort reached the engine while it was paused: the request is gone from it.
+        wait_until(lambda: tiny_server.metric("tokenmill:num_requests_waiting") == 0)
+        assert tiny_server.metric("tokenmill:num_requests_running") == 0
     set_setting(chat, "#set-extra", "")
     set_setting(chat, "#set-max-tokens", "12")
     # The engine serves the next answer.
@@ -323,13 +320,10 @@ def test_dashboard_charts_move_under_load(chat: Any, tiny_server: ServerProcess)
         # Frozen in place until the page has polled them running (three streams of the tiny model end
         # in ~3 s, which a loaded browser's once-a-second polls can miss).
         wait_until(lambda: tiny_server.metric("tokenmill:num_requests_running") == 3)
-        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-        try:
+        with tiny_server.paused_in_place():
             chat.wait_for_function(
                 "() => JSON.parse(document.getElementById('chart-requests').dataset.last).running > 0"
             )
-        finally:
-            assert http.post("/continue_generation").status_code == 200
         chat.wait_for_function(
             "() => JSON.parse(document.getElementById('chart-tokens').dataset.last)['tok/s'] > 0"
         )

@@ -6,6 +6,7 @@ line the server prints once it listens, so there is no free-port race.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -161,6 +162,12 @@ def process_gone(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+async def wait_for_engine(http: httpx.AsyncClient, key: str, value: int) -> None:
+    """Poll ``/v1/admin/kv`` until the engine reports ``key == value`` (bounded by the caller's timeout)."""
+    while (await http.get("/v1/admin/kv")).json()[key] != value:
+        await asyncio.sleep(0.01)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, interval: float = 0.02) -> None:

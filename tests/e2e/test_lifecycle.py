@@ -17,17 +17,11 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import TINY_ARGS, ServerProcess, process_gone, wait_until
+from server_process import TINY_ARGS, ServerProcess, process_gone, wait_for_engine, wait_until
 from tiny_model import words
 
 LONG = {"prompt": words([5, 6, 7]), "max_tokens": 4000, "ignore_eos": True}
 SHORT = {"prompt": words([5, 6, 7]), "max_tokens": 2}
-
-
-async def wait_for_engine(http: httpx.AsyncClient, key: str, value: int) -> None:
-    """Poll the admin endpoint until the engine reports ``key == value`` (bounded by the caller)."""
-    while (await http.get("/v1/admin/kv")).json()[key] != value:
-        await asyncio.sleep(0.01)
 
 
 def test_full_waiting_queue_is_429(tiny_model_dir: str) -> None:
@@ -40,16 +34,15 @@ def test_full_waiting_queue_is_429(tiny_model_dir: str) -> None:
                 # Frozen in place while the queue fills: the long request holds the one seat throughout (it
                 # would otherwise end in ~3 s, which a loaded machine's client calls can outlast).
                 await wait_for_engine(http, "num_running", 1)
-                assert (await http.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
-                # One sequence runs at a time, so this one waits; the queue is then full.
-                waiting = asyncio.ensure_future(http.post("/v1/completions", json=SHORT))
-                await wait_for_engine(http, "num_waiting", 1)
-                refused = await http.post("/v1/completions", json=SHORT)
-                assert refused.status_code == 429
-                assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-                with pytest.raises(openai.RateLimitError):
-                    await server.async_client().completions.create(model=tiny_model_dir, **SHORT)  # type: ignore[arg-type]
-                assert (await http.post("/continue_generation")).status_code == 200
+                with server.paused_in_place():
+                    # One sequence runs at a time, so this one waits; the queue is then full.
+                    waiting = asyncio.ensure_future(http.post("/v1/completions", json=SHORT))
+                    await wait_for_engine(http, "num_waiting", 1)
+                    refused = await http.post("/v1/completions", json=SHORT)
+                    assert refused.status_code == 429
+                    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+                    with pytest.raises(openai.RateLimitError):
+                        await server.async_client().completions.create(model=tiny_model_dir, **SHORT)  # type: ignore[arg-type]
             # Closing the running stream aborts it; the waiting request then runs to the end.
             answered = await waiting
             assert answered.status_code == 200

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import API_KEY, TINY_ARGS, ServerProcess
+from server_process import API_KEY, TINY_ARGS, ServerProcess, wait_for_engine
 from tiny_model import words
 
 SECOND_KEY = "second-key-456"
@@ -40,11 +40,6 @@ def tier_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
     server = ServerProcess(tiny_model_dir, args, api_key=API_KEY, log_path=str(log_path))
     yield server
     server.stop()
-
-
-async def wait_for_engine(http: httpx.AsyncClient, key: str, value: int) -> None:
-    while (await http.get("/v1/admin/kv")).json()[key] != value:
-        await asyncio.sleep(0.01)
 
 
 def run(coroutine: object, timeout: float = 60.0) -> None:
@@ -106,8 +101,7 @@ def test_a_full_tier_queue_is_429_with_retry_after_and_other_tiers_still_queue(
                 # Frozen in place while the queues fill: the long request holds the seat throughout (it
                 # would otherwise end in ~3 s, which a loaded machine's client calls can outlast).
                 await wait_for_engine(http, "num_running", 1)
-                assert (await http.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
-                try:
+                with tier_server.paused_in_place():
                     waiting = asyncio.ensure_future(http.post("/v1/completions", json=flex))
                     await wait_for_engine(http, "num_waiting_flex", 1)
                     refused = await http.post("/v1/completions", json=flex)
@@ -125,8 +119,6 @@ def test_a_full_tier_queue_is_429_with_retry_after_and_other_tiers_still_queue(
                         http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
                     )
                     await wait_for_engine(http, "num_waiting", 2)
-                finally:
-                    assert (await http.post("/continue_generation")).status_code == 200
             for answered in (await waiting, await default):
                 assert answered.status_code == 200
         metrics = httpx.get(f"{tier_server.base_url}/metrics", headers=tier_server.headers).text
